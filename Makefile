@@ -1,0 +1,25 @@
+# `make train` and `make test` each create .venv and install the package first.
+VENV ?= .venv
+PYTHON ?= python3
+DATA ?= ../shared/data/cifar10-jpeg
+PROFILE ?= accelerate_configs/cpu.yaml
+ARGS ?=
+
+.PHONY: install train test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(VENV)/bin/accelerate launch --config_file $(PROFILE) -m cifar_accel.train --dataset_name $(DATA) $(ARGS)
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .

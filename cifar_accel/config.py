@@ -1,0 +1,229 @@
+"""The one training config: defaults, YAML files, command-line flags and validation.
+
+Every field of ``TrainConfig`` is a flag of the same name; its help text,
+aliases and allowed range live in the field's metadata, so there is one
+source for all of them. Values are merged as: defaults < ``--config`` file <
+flags, except ``mixed_precision`` (see ``resolve_mixed_precision``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from cifar_accel.errors import InputError
+
+Precision = Literal["no", "fp16", "bf16"]
+DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
+
+
+def _field(default: Any, help: str, *, aliases: tuple[str, ...] = (), **bounds: float) -> Any:
+    """A config field with its help text, extra flag names and bounds (ge, gt, le, lt)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "bounds": bounds})
+
+
+@dataclass
+class TrainConfig:
+    # Data
+    dataset_name: str = _field(
+        "uoft-cs/cifar10",
+        "Hub dataset id, or a local path that datasets.load_dataset reads (Hub-layout folder, parquet, image folder).",
+    )
+    image_column_name: str | None = _field(None, "Image column; default: the dataset's first Image column.")
+    label_column_name: str | None = _field(None, "Label column; default: the first ClassLabel column, else 'label'.")
+    val_ratio: float = _field(
+        0.1, "Fraction of the train split held out for validation (seeded).", aliases=("--train_val_split",), gt=0, lt=1
+    )
+    max_train_samples: int | None = _field(
+        None, "Use only the first N examples of the train split (before the validation split).", ge=1
+    )
+    max_eval_samples: int | None = _field(None, "Use only the first N validation and N test examples.", ge=1)
+    augment: bool = _field(True, "Random crop (padding 4), horizontal flip and colour jitter on training batches.")
+
+    # Model and optimisation
+    model_name: Literal["simple_cnn"] = _field("simple_cnn", "Model architecture.", aliases=("--model",))
+    num_train_epochs: int = _field(30, "Number of training epochs.", aliases=("--epochs",), ge=1)
+    per_device_train_batch_size: int = _field(
+        64, "Training batch size per process.", aliases=("--batch_size", "--batch-size"), ge=1
+    )
+    per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", ge=1)
+    learning_rate: float = _field(1e-3, "Adam learning rate.", aliases=("--lr",), gt=0)
+    weight_decay: float = _field(0.0, "Adam weight decay.", ge=0)
+    lr_scheduler_type: Literal["step", "cosine"] = _field(
+        "step", "Epoch-wise schedule: StepLR or cosine annealing to zero.", aliases=("--scheduler",)
+    )
+    lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", ge=1)
+    lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", gt=0, le=1)
+    early_stopping_patience: int = _field(
+        7, "Stop after this many epochs without a better validation accuracy; 0 turns it off.",
+        aliases=("--patience",), ge=0,
+    )
+    max_grad_norm: float | None = _field(
+        None, "Clip the total gradient norm to this value (after unscaling).", gt=0
+    )
+    gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", ge=1)
+    seed: int = _field(42, "Seed for the weights, the validation split, data order and augmentation.", ge=0)
+
+    # Hardware and precision
+    mixed_precision: Precision | None = _field(
+        None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'."
+    )
+    channels_last: bool = _field(True, "Run convolutions in channels_last memory format (faster on CPU and GPU).")
+    cpu: bool = _field(False, "Train on the CPU even when a GPU is present.")
+
+    # Outputs
+    output_dir: str = _field("outputs/cifar10", "Where checkpoints, logs, model.safetensors and results.json go.")
+    overwrite_output_dir: bool = _field(False, "Allow writing into a folder that already holds another run's results.")
+    resume_from_checkpoint: str | None = _field(
+        None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", aliases=("--resume",)
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TYPES = typing.get_type_hints(TrainConfig)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise InputError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="cifar_accel.train",
+        description="Train a CIFAR-10 classifier with Hugging Face Accelerate.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", help="YAML file with config values; flags override it.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
+    for name, f in FIELDS.items():
+        flags = [f"--{name}", *f.metadata["aliases"]]
+        kind, choices, _ = _unwrap(_TYPES[name])
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(*flags, dest=name, type=kind, choices=choices, help=help_text)
+    return parser
+
+
+def _unwrap(annotation: Any) -> tuple[type, tuple[str, ...] | None, bool]:
+    """(base type, Literal choices or None, whether None is allowed) of a field annotation."""
+    optional = False
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        optional = type(None) in args
+        (annotation,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        choices = typing.get_args(annotation)
+        return type(choices[0]), choices, optional
+    return annotation, None, optional
+
+
+def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _check_value(name: str, value: Any, origin: str) -> Any:
+    """Return ``value`` as the field's type, or raise InputError naming the field and what it accepts."""
+    kind, choices, optional = _unwrap(_TYPES[name])
+    if value is None:
+        if optional:
+            return None
+        raise InputError(f"{origin}: '{name}' must not be empty")
+    if choices is not None and value not in choices:
+        raise InputError(f"{origin}: '{name}' must be one of {', '.join(map(str, choices))}, not {value!r}")
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise InputError(f"{origin}: '{name}' must be {kind.__name__}, not {type(value).__name__} ({value!r})")
+    for bound, limit in FIELDS[name].metadata["bounds"].items():
+        fails = {"ge": value < limit, "gt": value <= limit, "le": value > limit, "lt": value >= limit}[bound]
+        if fails:
+            symbol = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[bound]
+            raise InputError(f"{origin}: '{name}' must be {symbol} {limit}, got {value!r}")
+    return value
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config file into checked values, refusing unknown keys and wrong types."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise InputError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise InputError(f"config file {path} is not valid YAML{line}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InputError(f"config file {path} must hold a mapping of config keys, not {type(data).__name__}")
+    values = {}
+    for key, value in data.items():
+        if key not in FIELDS:
+            raise InputError(f"config file {path}: unknown key '{key}'{_suggest(str(key), FIELDS)}")
+        values[key] = _check_value(key, value, f"config file {path}")
+    return values
+
+
+def resolve_mixed_precision(flag: str | None, launcher: str | None, config_file: str | None) -> tuple[str, str]:
+    """The requested precision and where it came from.
+
+    Order: this script's flag, then ``accelerate launch`` (its flag or profile,
+    seen as ACCELERATE_MIXED_PRECISION), then the config file, then 'no'. The
+    launcher always exports a value and says 'no' when nothing was chosen, so
+    its 'no' cannot be told from its default and does not override a file.
+    """
+    if flag is not None:
+        return flag, "--mixed_precision flag"
+    if launcher and launcher != "no":
+        return launcher, "accelerate launch (flag or config profile)"
+    if config_file is not None:
+        return config_file, "config file"
+    if launcher == "no":
+        return "no", "accelerate launch (flag or config profile)"
+    return "no", "default"
+
+
+def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
+    """Parse flags and an optional ``--config`` file into a checked config and the precision's source."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        options = [o for a in parser._actions for o in a.option_strings]
+        raise InputError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options)}")
+    cli = {k: v for k, v in vars(args).items() if k in FIELDS}
+    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
+
+    values = {**from_file, **cli}
+    for name, value in cli.items():
+        values[name] = _check_value(name, value, f"--{name}")
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is not None and launcher not in typing.get_args(Precision):
+        raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
+    precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
+    values["mixed_precision"] = precision
+    return TrainConfig(**values), source
+
+
+def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

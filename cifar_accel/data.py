@@ -1,0 +1,165 @@
+"""CIFAR-10 through `datasets`: load, decode once into uint8 tensors, split, and build loaders.
+
+Images are decoded a single time by ``Dataset.map`` into a (3, 32, 32) uint8
+column, which `datasets` caches on disk keyed by the dataset's fingerprint, so
+a second run starts in seconds. Training then works on in-memory tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, TensorDataset
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SIZE = 32
+LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
+
+
+@dataclass
+class Split:
+    images: torch.Tensor  # (N, 3, 32, 32) uint8
+    labels: torch.Tensor  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, indices: torch.Tensor) -> Split:
+        return Split(self.images[indices], self.labels[indices])
+
+
+@dataclass
+class CifarData:
+    train: Split
+    val: Split
+    test: Split
+    class_names: list[str]
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def load_raw(dataset_name: str) -> datasets.DatasetDict:
+    """``datasets.load_dataset`` with failures turned into one actionable line."""
+    if _looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
+        raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
+    try:
+        raw = datasets.load_dataset(str(Path(dataset_name).expanduser()) if _looks_like_path(dataset_name)
+                                    else dataset_name)
+    except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
+        raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
+    except (FileNotFoundError, ValueError) as err:
+        raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
+    if not isinstance(raw, datasets.DatasetDict) or "train" not in raw:
+        raise InputError(f"dataset '{dataset_name}' has no 'train' split")
+    if "test" not in raw:
+        raise InputError(f"dataset '{dataset_name}' has no 'test' split (splits: {', '.join(raw)})")
+    return raw
+
+
+def find_columns(features: datasets.Features, image_column: str | None, label_column: str | None) -> tuple[str, str]:
+    """The image and label column names: as given, or found from the feature types."""
+    names = ", ".join(features)
+    if image_column is None:
+        image_column = next((k for k, v in features.items() if isinstance(v, datasets.Image)), None)
+        if image_column is None:
+            raise InputError(f"no image column found (columns: {names}); name it with --image_column_name")
+    elif image_column not in features:
+        raise InputError(f"image column '{image_column}' not found (columns: {names}); fix --image_column_name")
+    if label_column is None:
+        label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
+    if label_column not in features:
+        raise InputError(f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name")
+    return image_column, label_column
+
+
+def _decode_batch(batch: dict, indices: list[int], image_column: str) -> dict:
+    """Decode encoded images to (3, 32, 32) uint8 arrays, converting mode and size where needed."""
+    pixels, converted = [], []
+    for index, image in zip(indices, batch[image_column]):
+        try:
+            source = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
+            with Image.open(source) as pil:
+                pil.load()
+                fits = pil.mode == "RGB" and pil.size == (IMAGE_SIZE, IMAGE_SIZE)
+                if not fits:
+                    pil = pil.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+                pixels.append(np.asarray(pil, dtype=np.uint8).transpose(2, 0, 1))
+        except (UnidentifiedImageError, OSError) as err:
+            raise InputError(f"image {index} of column '{image_column}' cannot be decoded: {err}") from None
+        converted.append(not fits)
+    return {"pixels": pixels, "converted": converted}
+
+
+def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str, split: str) -> Split:
+    """One split as uint8 tensors; the decoded copy is cached by `datasets`."""
+    if len(dataset) == 0:
+        raise InputError(f"the '{split}' split is empty; point --dataset_name at a dataset with images in it")
+    dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    features = datasets.Features({
+        "pixels": datasets.Array3D((3, IMAGE_SIZE, IMAGE_SIZE), "uint8"),
+        "converted": datasets.Value("bool"),
+        label_column: dataset.features[label_column],
+    })
+    decoded = dataset.map(
+        _decode_batch, batched=True, with_indices=True, fn_kwargs={"image_column": image_column},
+        remove_columns=[c for c in dataset.column_names if c != label_column], features=features,
+        desc=f"Decoding {split} images",
+    ).with_format("torch")[:]
+    converted = int(decoded["converted"].sum())
+    if converted:
+        logger.info("%s: converted %d images to %dx%d RGB", split, converted, IMAGE_SIZE, IMAGE_SIZE)
+    return Split(decoded["pixels"], decoded[label_column].long())
+
+
+def load_data(config: TrainConfig) -> CifarData:
+    """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
+    raw = load_raw(config.dataset_name)
+    image_column, label_column = find_columns(raw["train"].features, config.image_column_name, config.label_column_name)
+    train_raw = raw["train"]
+    if config.max_train_samples is not None:
+        train_raw = train_raw.select(range(min(config.max_train_samples, len(train_raw))))
+    full_train = decode_split(train_raw, image_column, label_column, "train")
+    test = decode_split(raw["test"], image_column, label_column, "test")
+
+    label_feature = raw["train"].features[label_column]
+    if isinstance(label_feature, datasets.ClassLabel):
+        class_names = list(label_feature.names)
+    else:
+        class_names = [str(i) for i in range(int(full_train.labels.max()) + 1)]
+    for name, split in (("train", full_train), ("test", test)):
+        bad = ((split.labels < 0) | (split.labels >= len(class_names))).nonzero()
+        if len(bad):
+            index = int(bad[0])
+            raise InputError(
+                f"{name} label {int(split.labels[index])} at index {index} is outside 0..{len(class_names) - 1}; "
+                "fix the labels or --label_column_name"
+            )
+
+    generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(len(full_train), generator=generator)
+    num_val = max(1, round(len(full_train) * config.val_ratio))
+    if num_val >= len(full_train):
+        raise InputError(f"--val_ratio {config.val_ratio} leaves no training images out of {len(full_train)}")
+    train, val = full_train.subset(order[num_val:]), full_train.subset(order[:num_val])
+    if config.max_eval_samples is not None:
+        val = val.subset(torch.arange(min(config.max_eval_samples, len(val))))
+        test = test.subset(torch.arange(min(config.max_eval_samples, len(test))))
+    return CifarData(train=train, val=val, test=test, class_names=class_names)
+
+
+def make_loader(split: Split, batch_size: int, train: bool) -> DataLoader:
+    """Batches of (uint8 images, labels); training batches are shuffled and the last partial one dropped."""
+    return DataLoader(TensorDataset(split.images, split.labels), batch_size=batch_size, shuffle=train, drop_last=train)

@@ -1,0 +1,91 @@
+"""The training step, one training epoch and evaluation, on objects prepared by an Accelerator."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import evaluate
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def training_step(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    max_grad_norm: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward/backward/update; returns the (detached) loss and outputs.
+
+    Autocast covers the forward pass and the loss, not the update. Accelerate
+    scales the loss for fp16 in ``backward`` and unscales the gradients in
+    ``clip_grad_norm_`` before clipping; call this inside ``accelerator.accumulate``.
+    """
+    with accelerator.autocast():
+        outputs = model(inputs)
+        loss = loss_fn(outputs, targets)
+    accelerator.backward(loss)
+    if max_grad_norm is not None and accelerator.sync_gradients:
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach(), outputs.detach()
+
+
+def train_one_epoch(
+    accelerator: Accelerator,
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    transform: Transform,
+    max_grad_norm: float | None = None,
+    description: str = "train",
+) -> dict[str, float]:
+    """Train over ``loader`` once; loss, accuracy, images and seconds summed over all processes."""
+    model.train()
+    totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
+    start = time.perf_counter()
+    for images, labels in tqdm(loader, desc=description, leave=False, disable=not accelerator.is_local_main_process):
+        with accelerator.accumulate(model):
+            loss, logits = training_step(
+                accelerator, model, optimizer, F.cross_entropy, transform(images), labels, max_grad_norm
+            )
+        totals[0] += loss.float() * len(labels)
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+    seconds = time.perf_counter() - start
+    loss_sum, correct, seen = accelerator.reduce(totals, reduction="sum").tolist()
+    return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
+
+
+@torch.no_grad()
+def evaluate_model(
+    accelerator: Accelerator,
+    model: nn.Module,
+    loader: DataLoader,
+    transform: Transform,
+    metric: evaluate.EvaluationModule,
+) -> dict[str, float]:
+    """Loss and accuracy over ``loader``, each sample counted exactly once across processes."""
+    model.eval()
+    loss_sum, count = 0.0, 0
+    for images, labels in loader:
+        with accelerator.autocast():
+            logits = model(transform(images))
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(1), labels, losses))
+        metric.add_batch(predictions=predictions, references=references)
+        loss_sum += losses.sum().item()
+        count += len(references)
+    return {"loss": loss_sum / count, "accuracy": metric.compute()["accuracy"], "samples": count}

@@ -1,0 +1,38 @@
+"""Exit-code contract shared by the command-line entry points.
+
+0 success; 2 bad input (config, flags, data, checkpoint); 1 a fault at run
+time. Both failures print one line on stderr; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+
+class InputError(Exception):
+    """Something the user gave us is wrong; the message says what and how to fix it."""
+
+
+def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
+    """Run ``main(argv)`` and turn exceptions into the exit-code contract."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        main(argv)
+    except InputError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - every other fault is a run-time fault
+        if debug:
+            raise
+        print(f"error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+    return 0

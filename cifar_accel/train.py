@@ -1,0 +1,275 @@
+"""Train a CIFAR-10 classifier: ``accelerate launch -m cifar_accel.train [flags]`` or ``python -m cifar_accel.train``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import datasets
+import safetensors.torch
+import torch
+import yaml
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import ProjectConfiguration, set_seed
+
+from cifar_accel.checkpoint import (
+    TrainerState,
+    best_checkpoint,
+    complete_checkpoints,
+    config_fingerprint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from cifar_accel.config import TrainConfig, load_config, save_config
+from cifar_accel.data import load_data, make_loader
+from cifar_accel.engine import evaluate_model, train_one_epoch
+from cifar_accel.errors import InputError, run_cli
+from cifar_accel.metrics import load_metric
+from cifar_accel.models import build_model
+from cifar_accel.transforms import BatchTransform
+
+logger = get_logger(__name__)
+
+
+def prepare_output_dir(config: TrainConfig) -> Path:
+    """Make sure ``output_dir`` is writable and holds no other run's results (unless told otherwise)."""
+    output_dir = Path(config.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise InputError(f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir") from None
+    earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
+    if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+        raise InputError(
+            f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
+            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
+        )
+    return output_dir
+
+
+def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The epoch-wise learning-rate schedule."""
+    if config.lr_scheduler_type == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
+
+
+def describe_precision(accelerator: Accelerator, requested: str, source: str) -> str:
+    """Log the precision in effect and return it ('no' when Accelerate falls back to fp32)."""
+    effective = accelerator.mixed_precision if accelerator.native_amp else "no"
+    if effective != requested:
+        logger.warning(
+            f"mixed precision '{requested}' is not available on {accelerator.device.type}: "
+            "training runs in fp32 and is recorded as 'no' (use bf16 on a CPU)"
+        )
+    dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(effective, "none (fp32)")
+    scaler = f"GradScaler with initial scale {accelerator.scaler.get_scale():g}" if accelerator.scaler else "no GradScaler"
+    logger.info(
+        f"mixed precision in effect: {effective} (requested '{requested}' by {source}); "
+        f"device {accelerator.device}; autocast dtype {dtype}; {scaler}"
+    )
+    return effective
+
+
+def tracker_config(config: TrainConfig) -> dict[str, Any]:
+    """The config as TensorBoard hyperparameters (which cannot hold None)."""
+    return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
+
+
+def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
+    output_dir = prepare_output_dir(config)
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision,
+        cpu=config.cpu,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with="tensorboard",
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        step_scheduler_with_optimizer=False,
+    )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
+        raise InputError(
+            f"{os.environ['WORLD_SIZE']} processes were started but they are not connected into one process group; "
+            "on CPUs launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu', on GPUs with "
+            "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
+        )
+    if not accelerator.is_local_main_process:
+        datasets.disable_progress_bars()
+    if config.overwrite_output_dir and config.resume_from_checkpoint is None and accelerator.is_main_process:
+        for stale in ("checkpoints", "logs"):
+            if (output_dir / stale).exists():
+                logger.info(f"--overwrite_output_dir: removing the earlier run's {output_dir / stale}")
+                shutil.rmtree(output_dir / stale)
+    accelerator.wait_for_everyone()
+
+    logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    mixed_precision = describe_precision(accelerator, config.mixed_precision, precision_source)
+    fingerprint = config_fingerprint(config, mixed_precision)
+    resume_path = resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
+
+    set_seed(config.seed)
+    with accelerator.main_process_first():
+        data = load_data(config)
+    if len(data.train) < config.per_device_train_batch_size * accelerator.num_processes:
+        raise InputError(
+            f"{len(data.train)} training images are fewer than one batch of "
+            f"{config.per_device_train_batch_size} per process; lower --per_device_train_batch_size"
+        )
+    logger.info(
+        f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images; "
+        f"batch {config.per_device_train_batch_size} per process x {accelerator.num_processes} processes x "
+        f"{config.gradient_accumulation_steps} accumulation steps = "
+        f"{config.per_device_train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps} global"
+    )
+
+    model = build_model(config.model_name, num_classes=len(data.class_names))
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    scheduler = build_scheduler(config, optimizer)
+    train_loader = make_loader(data.train, config.per_device_train_batch_size, train=True)
+    val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
+    test_loader = make_loader(data.test, config.per_device_eval_batch_size, train=False)
+    model, optimizer, scheduler, train_loader, val_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, val_loader, test_loader
+    )
+    metric = load_metric("accuracy")
+    train_transform = BatchTransform(augment=config.augment, channels_last=config.channels_last)
+    eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
+
+    state = TrainerState(config_fingerprint=fingerprint)
+    if resume_path is not None:
+        state = load_checkpoint(accelerator, resume_path, fingerprint)
+        logger.info(f"resumed from {resume_path}: {state.epoch} epochs done, best validation accuracy "
+                    f"{state.best_val_accuracy}")
+    if accelerator.is_main_process:
+        save_config(config, output_dir / "config.yaml")
+    accelerator.init_trackers("tensorboard", config=tracker_config(config))
+
+    patience = config.early_stopping_patience
+    for epoch in range(state.epoch, config.num_train_epochs):
+        if patience and state.epochs_without_improvement >= patience:
+            break
+        epoch_start = time.perf_counter()
+        learning_rate = scheduler.get_last_lr()[0]
+        train_loader.set_epoch(epoch)
+        train_stats = train_one_epoch(
+            accelerator, model, train_loader, optimizer, train_transform, config.max_grad_norm,
+            description=f"epoch {epoch + 1}/{config.num_train_epochs}",
+        )
+        val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
+        scheduler.step()
+
+        state.epoch = epoch + 1
+        state.global_step += len(train_loader) // config.gradient_accumulation_steps
+        if state.best_val_accuracy is None or val_stats["accuracy"] > state.best_val_accuracy:
+            state.best_val_accuracy, state.best_epoch, state.epochs_without_improvement = val_stats["accuracy"], epoch + 1, 0
+        else:
+            state.epochs_without_improvement += 1
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": train_stats["loss"],
+            "train_accuracy": train_stats["accuracy"],
+            "val_loss": val_stats["loss"],
+            "val_accuracy": val_stats["accuracy"],
+            "learning_rate": learning_rate,
+            "train_images": train_stats["images"],
+            "train_seconds": train_stats["seconds"],
+            "train_images_per_second": train_stats["images"] / train_stats["seconds"],
+            "epoch_seconds": time.perf_counter() - epoch_start,
+        }
+        state.history.append(record)
+        accelerator.log(
+            {
+                "train/loss": record["train_loss"],
+                "train/accuracy": record["train_accuracy"],
+                "val/loss": record["val_loss"],
+                "val/accuracy": record["val_accuracy"],
+                "learning_rate": learning_rate,
+                "train/images_per_second": record["train_images_per_second"],
+                "epoch_seconds": record["epoch_seconds"],
+            },
+            step=epoch + 1,
+        )
+        logger.info(
+            f"epoch {epoch + 1}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
+            f"val loss {record['val_loss']:.4f} acc {record['val_accuracy']:.4f} | lr {learning_rate:.2e} | "
+            f"{record['train_images_per_second']:.0f} img/s | {record['epoch_seconds']:.1f} s"
+        )
+        save_checkpoint(accelerator, output_dir, state)
+        if patience and state.epochs_without_improvement >= patience:
+            logger.info(f"early stopping: no better validation accuracy for {patience} epochs")
+
+    if state.best_epoch is None:
+        raise InputError("no epoch was trained; raise --num_train_epochs")
+    best_weights = safetensors.torch.load_file(best_checkpoint(output_dir, state) / "model.safetensors")
+    accelerator.unwrap_model(model).load_state_dict(best_weights)
+    test_stats = evaluate_model(accelerator, model, test_loader, eval_transform, metric)
+    accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
+    accelerator.save_model(model, output_dir)
+
+    train_seconds = sum(r["train_seconds"] for r in state.history)
+    results = {
+        "best_val_accuracy": state.best_val_accuracy,
+        "best_epoch": state.best_epoch,
+        "test_accuracy": test_stats["accuracy"],
+        "test_loss": test_stats["loss"],
+        "test_samples": test_stats["samples"],
+        "epochs_completed": state.epoch,
+        "stopped_early": bool(patience) and state.epochs_without_improvement >= patience,
+        "mixed_precision": mixed_precision,
+        "requested_mixed_precision": config.mixed_precision,
+        "mixed_precision_source": precision_source,
+        "train_images_per_second": sum(r["train_images"] for r in state.history) / train_seconds,
+        "seconds_per_epoch": sum(r["epoch_seconds"] for r in state.history) / len(state.history),
+        "num_processes": accelerator.num_processes,
+        "device": str(accelerator.device),
+        "train_samples": len(data.train),
+        "val_samples": len(data.val),
+        "history": state.history,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "accelerate": accelerate.__version__,
+            "datasets": datasets.__version__,
+        },
+    }
+    if accelerator.is_main_process:
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    accelerator.end_training()
+    logger.info(
+        f"test accuracy {results['test_accuracy']:.4f} (best validation {results['best_val_accuracy']:.4f} at epoch "
+        f"{results['best_epoch']}); model.safetensors, results.json, config.yaml, checkpoints/ and logs/ are in "
+        f"{output_dir.resolve()}"
+    )
+    return results
+
+
+def main(argv: Sequence[str]) -> None:
+    config, precision_source = load_config(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
+    run_training(config, precision_source)
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()
