@@ -27,9 +27,20 @@ _NAME = re.compile(r"^epoch_(\d{4,})$")
 # Config fields a resumed run must share with the checkpoint: they change shapes,
 # the data split or the precision, or the restored optimizer/scheduler would ignore them.
 FINGERPRINT_FIELDS = (
-    "dataset_name", "image_column_name", "label_column_name", "val_ratio", "max_train_samples", "seed",
-    "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
-    "lr_scheduler_type", "lr_step_size", "lr_gamma",
+    "dataset_name",
+    "image_column_name",
+    "label_column_name",
+    "val_ratio",
+    "max_train_samples",
+    "seed",
+    "model_name",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "weight_decay",
+    "lr_scheduler_type",
+    "lr_step_size",
+    "lr_gamma",
 )
 
 

@@ -64,12 +64,12 @@ class TrainConfig:
     lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", ge=1)
     lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", gt=0, le=1)
     early_stopping_patience: int = _field(
-        7, "Stop after this many epochs without a better validation accuracy; 0 turns it off.",
-        aliases=("--patience",), ge=0,
+        7,
+        "Stop after this many epochs without a better validation accuracy; 0 turns it off.",
+        aliases=("--patience",),
+        ge=0,
     )
-    max_grad_norm: float | None = _field(
-        None, "Clip the total gradient norm to this value (after unscaling).", gt=0
-    )
+    max_grad_norm: float | None = _field(None, "Clip the total gradient norm to this value (after unscaling).", gt=0)
     gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", ge=1)
     seed: int = _field(42, "Seed for the weights, the validation split, data order and augmentation.", ge=0)
 

@@ -51,13 +51,19 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
-def load_raw(dataset_name: str) -> datasets.DatasetDict:
-    """``datasets.load_dataset`` with failures turned into one actionable line."""
+def check_dataset_path(dataset_name: str) -> None:
+    """Refuse a local dataset path that does not exist, before any work starts."""
     if _looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
+
+
+def load_raw(dataset_name: str) -> datasets.DatasetDict:
+    """``datasets.load_dataset`` with failures turned into one actionable line."""
+    check_dataset_path(dataset_name)
     try:
-        raw = datasets.load_dataset(str(Path(dataset_name).expanduser()) if _looks_like_path(dataset_name)
-                                    else dataset_name)
+        raw = datasets.load_dataset(
+            str(Path(dataset_name).expanduser()) if _looks_like_path(dataset_name) else dataset_name
+        )
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
     except (FileNotFoundError, ValueError) as err:
@@ -81,14 +87,16 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
     if label_column is None:
         label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
     if label_column not in features:
-        raise InputError(f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name")
+        raise InputError(
+            f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name"
+        )
     return image_column, label_column
 
 
 def _decode_batch(batch: dict, indices: list[int], image_column: str) -> dict:
     """Decode encoded images to (3, 32, 32) uint8 arrays, converting mode and size where needed."""
     pixels, converted = [], []
-    for index, image in zip(indices, batch[image_column]):
+    for index, image in zip(indices, batch[image_column], strict=False):
         try:
             source = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
             with Image.open(source) as pil:
@@ -108,20 +116,27 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
     if len(dataset) == 0:
         raise InputError(f"the '{split}' split is empty; point --dataset_name at a dataset with images in it")
     dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
-    features = datasets.Features({
-        "pixels": datasets.Array3D((3, IMAGE_SIZE, IMAGE_SIZE), "uint8"),
-        "converted": datasets.Value("bool"),
-        label_column: dataset.features[label_column],
-    })
+    features = datasets.Features(
+        {
+            "pixels": datasets.Array3D((3, IMAGE_SIZE, IMAGE_SIZE), "uint8"),
+            "converted": datasets.Value("bool"),
+            label_column: dataset.features[label_column],
+        }
+    )
+    logger.info("%s: %d images, decoded once and cached by datasets", split, len(dataset))
     decoded = dataset.map(
-        _decode_batch, batched=True, with_indices=True, fn_kwargs={"image_column": image_column},
-        remove_columns=[c for c in dataset.column_names if c != label_column], features=features,
-        desc=f"Decoding {split} images",
-    ).with_format("torch")[:]
-    converted = int(decoded["converted"].sum())
+        _decode_batch,
+        batched=True,
+        with_indices=True,
+        fn_kwargs={"image_column": image_column},
+        remove_columns=[c for c in dataset.column_names if c != label_column],
+        features=features,
+    ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64
+    converted = decoded["converted"].to_numpy().sum()
     if converted:
         logger.info("%s: converted %d images to %dx%d RGB", split, converted, IMAGE_SIZE, IMAGE_SIZE)
-    return Split(decoded["pixels"], decoded[label_column].long())
+    pixels = decoded["pixels"].combine_chunks().to_numpy(zero_copy_only=False)
+    return Split(torch.tensor(pixels), torch.tensor(decoded[label_column].to_numpy()).long())
 
 
 def load_data(config: TrainConfig) -> CifarData:

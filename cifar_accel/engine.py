@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -56,7 +57,10 @@ def train_one_epoch(
     model.train()
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
     start = time.perf_counter()
-    for images, labels in tqdm(loader, desc=description, leave=False, disable=not accelerator.is_local_main_process):
+    progress = tqdm(
+        loader, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process
+    )
+    for images, labels in progress:
         with accelerator.accumulate(model):
             loss, logits = training_step(
                 accelerator, model, optimizer, F.cross_entropy, transform(images), labels, max_grad_norm

@@ -1,4 +1,4 @@
-"""Train a CIFAR-10 classifier: ``accelerate launch -m cifar_accel.train [flags]`` or ``python -m cifar_accel.train``."""
+"""Train a CIFAR-10 classifier: `accelerate launch -m cifar_accel.train [flags]` or `python -m cifar_accel.train`."""
 
 from __future__ import annotations
 
@@ -25,14 +25,13 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from cifar_accel.checkpoint import (
     TrainerState,
     best_checkpoint,
-    complete_checkpoints,
     config_fingerprint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
 from cifar_accel.config import TrainConfig, load_config, save_config
-from cifar_accel.data import load_data, make_loader
+from cifar_accel.data import check_dataset_path, load_data, make_loader
 from cifar_accel.engine import evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, run_cli
 from cifar_accel.metrics import load_metric
@@ -51,7 +50,9 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as err:
-        raise InputError(f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir") from None
+        raise InputError(
+            f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
+        ) from None
     earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
     if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
         raise InputError(
@@ -77,7 +78,9 @@ def describe_precision(accelerator: Accelerator, requested: str, source: str) ->
             "training runs in fp32 and is recorded as 'no' (use bf16 on a CPU)"
         )
     dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(effective, "none (fp32)")
-    scaler = f"GradScaler with initial scale {accelerator.scaler.get_scale():g}" if accelerator.scaler else "no GradScaler"
+    scaler = (
+        f"GradScaler with initial scale {accelerator.scaler.get_scale():g}" if accelerator.scaler else "no GradScaler"
+    )
     logger.info(
         f"mixed precision in effect: {effective} (requested '{requested}' by {source}); "
         f"device {accelerator.device}; autocast dtype {dtype}; {scaler}"
@@ -91,6 +94,7 @@ def tracker_config(config: TrainConfig) -> dict[str, Any]:
 
 
 def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
+    check_dataset_path(config.dataset_name)
     output_dir = prepare_output_dir(config)
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision,
@@ -107,8 +111,6 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
             "on CPUs launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu', on GPUs with "
             "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
         )
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
     if config.overwrite_output_dir and config.resume_from_checkpoint is None and accelerator.is_main_process:
         for stale in ("checkpoints", "logs"):
             if (output_dir / stale).exists():
@@ -119,7 +121,9 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     mixed_precision = describe_precision(accelerator, config.mixed_precision, precision_source)
     fingerprint = config_fingerprint(config, mixed_precision)
-    resume_path = resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
+    resume_path = (
+        resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
+    )
 
     set_seed(config.seed)
     with accelerator.main_process_first():
@@ -154,8 +158,9 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     state = TrainerState(config_fingerprint=fingerprint)
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, fingerprint)
-        logger.info(f"resumed from {resume_path}: {state.epoch} epochs done, best validation accuracy "
-                    f"{state.best_val_accuracy}")
+        logger.info(
+            f"resumed from {resume_path}: {state.epoch} epochs done, best validation accuracy {state.best_val_accuracy}"
+        )
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
     accelerator.init_trackers("tensorboard", config=tracker_config(config))
@@ -168,7 +173,12 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         learning_rate = scheduler.get_last_lr()[0]
         train_loader.set_epoch(epoch)
         train_stats = train_one_epoch(
-            accelerator, model, train_loader, optimizer, train_transform, config.max_grad_norm,
+            accelerator,
+            model,
+            train_loader,
+            optimizer,
+            train_transform,
+            config.max_grad_norm,
             description=f"epoch {epoch + 1}/{config.num_train_epochs}",
         )
         val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
@@ -177,7 +187,11 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         state.epoch = epoch + 1
         state.global_step += len(train_loader) // config.gradient_accumulation_steps
         if state.best_val_accuracy is None or val_stats["accuracy"] > state.best_val_accuracy:
-            state.best_val_accuracy, state.best_epoch, state.epochs_without_improvement = val_stats["accuracy"], epoch + 1, 0
+            state.best_val_accuracy, state.best_epoch, state.epochs_without_improvement = (
+                val_stats["accuracy"],
+                epoch + 1,
+                0,
+            )
         else:
             state.epochs_without_improvement += 1
         record = {
@@ -261,9 +275,15 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
 
 def main(argv: Sequence[str]) -> None:
     config, precision_source = load_config(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING)
+    # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract.
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
+    )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
+    datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
     run_training(config, precision_source)
 
 

@@ -87,11 +87,15 @@ def color_jitter(
 ) -> torch.Tensor:
     """torchvision's ColorJitter per image: random factors, applied in a random order per image."""
     n = images.shape[0]
-    low_high = [(1 - brightness, 1 + brightness), (1 - contrast, 1 + contrast), (1 - saturation, 1 + saturation),
-                (-hue, hue)]
-    factors = torch.stack(
-        [torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1
-    ).view(n, 4, 1, 1, 1)
+    low_high = [
+        (1 - brightness, 1 + brightness),
+        (1 - contrast, 1 + contrast),
+        (1 - saturation, 1 + saturation),
+        (-hue, hue),
+    ]
+    factors = torch.stack([torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1).view(
+        n, 4, 1, 1, 1
+    )
     order = torch.rand(n, 4, device=images.device).argsort(1)
     for position in range(4):
         for op in range(4):

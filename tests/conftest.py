@@ -1,0 +1,94 @@
+"""Shared fixtures: a tiny CIFAR-like dataset in Hub layout and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
+CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def make_images(count: int, seed: int) -> tuple[list[Image.Image], list[int]]:
+    """Learnable 32x32 RGB images: each class has its own mean colour, plus noise."""
+    rng = np.random.default_rng(seed)
+    palette = rng.integers(30, 226, size=(len(CLASS_NAMES), 3))
+    labels = [i % len(CLASS_NAMES) for i in range(count)]
+    images = []
+    for label in labels:
+        pixels = palette[label] + rng.normal(0, 25, size=(32, 32, 3))
+        images.append(Image.fromarray(pixels.clip(0, 255).astype(np.uint8)))
+    return images, labels
+
+
+def write_hub_dataset(root: Path, train_size: int, test_size: int) -> Path:
+    """A dataset folder laid out like the Hub's uoft-cs/cifar10 (columns img, label) as parquet."""
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})
+    for split, size, seed in (("train", train_size, 0), ("test", test_size, 1)):
+        images, labels = make_images(size, seed)
+        dataset = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        dataset.to_parquet(root / "data" / f"{split}-00000-of-00001.parquet")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """327 training and 83 test images: odd sizes, so the last batches are uneven."""
+    return write_hub_dataset(tmp_path_factory.mktemp("tiny_cifar"), train_size=327, test_size=83)
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for CLI subprocesses: offline, with a `datasets` cache of the test session's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("hf_datasets_cache")),
+        HF_HOME=str(tmp_path_factory.mktemp("hf_home")),
+        PYTHONPATH=str(REPO),
+        TQDM_DISABLE="1",
+    )
+    return env
+
+
+def run_cli(
+    args: list[str],
+    env: dict[str, str],
+    module: str = "cifar_accel.train",
+    launcher: list[str] | None = None,
+    timeout: int = 300,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` (or ``launcher + [-m, module] + args``) in a real subprocess."""
+    command = (launcher or [sys.executable]) + ["-m", module, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_args(dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    """Flags for a fast one-epoch run on the tiny dataset."""
+    return [
+        "--dataset_name",
+        str(dataset),
+        "--output_dir",
+        str(output_dir),
+        "--num_train_epochs",
+        "1",
+        "--per_device_train_batch_size",
+        "32",
+        "--per_device_eval_batch_size",
+        "50",
+        *extra,
+    ]
+
+
+def read_results(output_dir: Path) -> dict:
+    return json.loads((output_dir / "results.json").read_text())

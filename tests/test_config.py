@@ -1,0 +1,155 @@
+"""The typed config: defaults, YAML, flags and aliases, precedence and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import run_cli
+
+from cifar_accel.config import (
+    DEFAULT_CONFIG_FILE,
+    FIELDS,
+    TrainConfig,
+    build_parser,
+    load_config,
+    read_config_file,
+    resolve_mixed_precision,
+)
+from cifar_accel.errors import InputError
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+
+
+def test_shipped_default_yaml_is_the_built_in_recipe():
+    assert read_config_file(DEFAULT_CONFIG_FILE) == {k: v for k, v in TrainConfig().to_dict().items()}
+    config = TrainConfig()
+    assert (config.model_name, config.learning_rate, config.num_train_epochs) == ("simple_cnn", 1e-3, 30)
+    assert (config.per_device_train_batch_size, config.early_stopping_patience, config.val_ratio) == (64, 7, 0.1)
+    assert (config.lr_scheduler_type, config.lr_step_size, config.lr_gamma) == ("step", 15, 0.1)
+
+
+def test_every_field_is_a_flag_with_help():
+    options = {o for action in build_parser()._actions for o in action.option_strings}
+    for name, f in FIELDS.items():
+        assert f"--{name}" in options
+        assert f.metadata["help"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        (["--lr", "0.01"], "learning_rate", 0.01),
+        (["--epochs", "3"], "num_train_epochs", 3),
+        (["--batch_size", "16"], "per_device_train_batch_size", 16),
+        (["--batch-size", "16"], "per_device_train_batch_size", 16),
+        (["--resume", "latest"], "resume_from_checkpoint", "latest"),
+        (["--train_val_split", "0.2"], "val_ratio", 0.2),
+        (["--no-augment"], "augment", False),
+        (["--max_grad_norm", "1"], "max_grad_norm", 1.0),
+    ],
+)
+def test_aliases_from_the_chapter_and_hf_examples(argv, field, value):
+    config, _ = load_config(argv)
+    assert getattr(config, field) == value
+
+
+def test_flags_override_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.5\nnum_train_epochs: 4\n")
+    config, _ = load_config(["--config", str(path), "--lr", "0.25"])
+    assert (config.learning_rate, config.num_train_epochs) == (0.25, 4)
+
+
+@pytest.mark.parametrize(
+    ("flag", "launcher", "file", "expected"),
+    [
+        ("bf16", "fp16", "no", ("bf16", "--mixed_precision flag")),
+        (None, "fp16", "bf16", ("fp16", "accelerate launch (flag or config profile)")),
+        (None, "no", "bf16", ("bf16", "config file")),
+        (None, None, "bf16", ("bf16", "config file")),
+        (None, "no", None, ("no", "accelerate launch (flag or config profile)")),
+        (None, None, None, ("no", "default")),
+    ],
+)
+def test_mixed_precision_precedence(flag, launcher, file, expected):
+    assert resolve_mixed_precision(flag, launcher, file) == expected
+
+
+def test_launcher_precision_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    config, source = load_config([])
+    assert config.mixed_precision == "bf16" and source.startswith("accelerate launch")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("learning_rat: 0.1\n", "unknown key 'learning_rat'; did you mean 'learning_rate'?"),
+        ("num_train_epochs: three\n", "'num_train_epochs' must be int, not str"),
+        ("augment: 1\n", "'augment' must be bool, not int"),
+        ("learning_rate: 0\n", "'learning_rate' must be > 0"),
+        ("per_device_train_batch_size: 0\n", "'per_device_train_batch_size' must be >= 1"),
+        ("val_ratio: 1.0\n", "'val_ratio' must be < 1"),
+        ("num_train_epochs: 0\n", "'num_train_epochs' must be >= 1"),
+        ("early_stopping_patience: -1\n", "'early_stopping_patience' must be >= 0"),
+        ("max_grad_norm: -1\n", "'max_grad_norm' must be > 0"),
+        ("lr_scheduler_type: linear\n", "'lr_scheduler_type' must be one of step, cosine"),
+        ("mixed_precision: fp8\n", "'mixed_precision' must be one of no, fp16, bf16"),
+        ("model_name: resnet\n", "'model_name' must be one of simple_cnn"),
+        ("- just\n- a list\n", "must hold a mapping"),
+        ("learning_rate: [0.1\n", "is not valid YAML at line"),
+    ],
+)
+def test_bad_config_files_are_refused(tmp_path, yaml_text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(InputError, match=None) as err:
+        load_config(["--config", str(path)])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rat", "0.1"], "unknown argument '--learning_rat'; did you mean '--learning_rate'?"),
+        (["--lr", "abc"], "invalid float value: 'abc'"),
+        (["--lr", "-1"], "'learning_rate' must be > 0"),
+        (["--val_ratio", "0"], "'val_ratio' must be > 0"),
+        (["--mixed_precision", "fp32"], "invalid choice: 'fp32'"),
+        (["--lr_scheduler_type", "linear"], "invalid choice: 'linear'"),
+    ],
+)
+def test_bad_flags_are_refused(argv, message):
+    with pytest.raises(InputError) as err:
+        load_config(argv)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--learning_rat", "0.1"], ["--per_device_train_batch_size", "0"], ["--config", "/nonexistent.yaml"]],
+)
+def test_config_errors_exit_2_with_one_line_before_any_work(cli_env, tmp_path, argv):
+    out = tmp_path / "out"
+    proc = run_cli([*argv, "--output_dir", str(out)], cli_env)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
+    assert not out.exists()
+
+
+def test_debug_shows_the_traceback(cli_env):
+    proc = run_cli(["--lr", "-1", "--debug"], cli_env)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    from cifar_accel.config import save_config
+
+    config = dataclasses.replace(TrainConfig(), learning_rate=0.02, mixed_precision="bf16", max_train_samples=10)
+    save_config(config, tmp_path / "config.yaml")
+    assert TrainConfig(**read_config_file(tmp_path / "config.yaml")) == config

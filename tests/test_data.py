@@ -1,0 +1,88 @@
+"""Loading through `datasets`: columns, decoding, the seeded validation split and the sample limits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_images, write_hub_dataset
+from PIL import Image
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.data import load_data
+from cifar_accel.errors import InputError
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+
+
+def config_for(dataset, **changes) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(dataset_name=str(dataset)), **changes)
+
+
+def test_splits_are_uint8_tensors_with_class_names(tiny_dataset):
+    data = load_data(config_for(tiny_dataset))
+    assert data.train.images.dtype == torch.uint8 and data.train.images.shape[1:] == (3, 32, 32)
+    assert (len(data.train), len(data.val), len(data.test)) == (294, 33, 83)
+    assert data.class_names[0] == "airplane" and len(data.class_names) == 10
+    # train and validation together are exactly the stored images, pixel for pixel
+    images, labels = make_images(327, seed=0)
+    stored = sorted(
+        (bytes(torch.from_numpy(np.asarray(i)).permute(2, 0, 1).numpy()), y)
+        for i, y in zip(images, labels, strict=False)
+    )
+    split = torch.cat([data.train.images, data.val.images]), torch.cat([data.train.labels, data.val.labels])
+    assert sorted((bytes(x.numpy()), int(y)) for x, y in zip(*split, strict=False)) == stored
+
+
+def test_validation_split_is_seeded_and_disjoint(tiny_dataset):
+    a = load_data(config_for(tiny_dataset, seed=1))
+    b = load_data(config_for(tiny_dataset, seed=1))
+    c = load_data(config_for(tiny_dataset, seed=2))
+    assert torch.equal(a.val.images, b.val.images) and torch.equal(a.train.labels, b.train.labels)
+    assert not torch.equal(a.val.images, c.val.images)
+    train_rows = {bytes(x.numpy()) for x in a.train.images}
+    assert not any(bytes(x.numpy()) in train_rows for x in a.val.images)
+
+
+def test_sample_limits(tiny_dataset):
+    data = load_data(config_for(tiny_dataset, max_train_samples=100, max_eval_samples=7))
+    assert (len(data.train), len(data.val), len(data.test)) == (90, 7, 7)
+
+
+def test_odd_images_are_converted_to_32x32_rgb(tmp_path):
+    root = write_hub_dataset(tmp_path / "odd", train_size=20, test_size=10)
+    import datasets
+
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
+    )
+    odd = [Image.new("L", (32, 32), 128), Image.new("RGBA", (40, 24), (255, 0, 0, 255))]
+    datasets.Dataset.from_dict({"img": odd * 5, "label": list(range(10))}, features=features).to_parquet(
+        root / "data" / "test-00000-of-00001.parquet"
+    )
+    data = load_data(config_for(root))
+    assert data.test.images.shape == (10, 3, 32, 32)
+    assert data.test.images[0].unique().tolist() == [128]
+    assert data.test.images[1, 0].unique().tolist() == [255] and data.test.images[1, 1:].max() == 0
+
+
+def test_named_columns_and_missing_columns(tmp_path):
+    import datasets
+
+    root = tmp_path / "renamed"
+    features = datasets.Features({"picture": datasets.Image(), "target": datasets.Value("int64")})
+    images, labels = make_images(30, seed=0)
+    for split in ("train", "test"):
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_dict({"picture": images, "target": labels}, features=features).to_parquet(
+            root / "data" / f"{split}-00000-of-00001.parquet"
+        )
+    with pytest.raises(InputError, match="label column 'label' not found .*--label_column_name"):
+        load_data(config_for(root))
+    data = load_data(config_for(root, image_column_name="picture", label_column_name="target"))
+    assert len(data.class_names) == 10 and len(data.test) == 30

@@ -1,0 +1,51 @@
+"""The `accelerate config` profiles: each loads with Accelerate's own loader; the CPU ones launch a run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from conftest import REPO, read_results, run_cli, tiny_args
+
+PROFILES = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+EXPECTED = {
+    "cpu": ("no", True, "NO"),
+    "cpu_bf16": ("bf16", True, "NO"),
+    "single_gpu_fp16": ("fp16", False, "NO"),
+    "single_gpu_bf16": ("bf16", False, "NO"),
+    "multi_gpu_fp16": ("fp16", False, "MULTI_GPU"),
+}
+
+
+def test_the_required_profiles_exist():
+    assert EXPECTED.keys() <= {p.stem for p in PROFILES}
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_profile_loads_with_accelerates_config_loader(profile: Path):
+    config = load_config_from_file(str(profile))
+    assert profile.read_text().startswith("#"), "each profile starts with a comment saying when to use it"
+    if profile.stem in EXPECTED:
+        precision, use_cpu, distributed = EXPECTED[profile.stem]
+        assert config.mixed_precision == precision
+        assert config.use_cpu == use_cpu
+        assert str(config.distributed_type).endswith(distributed)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cpu_bf16"])
+def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profile):
+    out = tmp_path / "run"
+    launcher = [
+        shutil.which("accelerate", path=str(Path(__import__("sys").executable).parent)) or "accelerate",
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / f"{profile}.yaml"),
+    ]
+    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "150"), cli_env, launcher=launcher)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+    assert results["mixed_precision"] == EXPECTED[profile][0]
+    assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
+    assert results["epochs_completed"] == 1

@@ -1,0 +1,123 @@
+"""End-to-end runs of `python -m cifar_accel.train` in real subprocesses on a tiny Hub-layout dataset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import read_results, run_cli, tiny_args
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset, cli_env, tmp_path, precision):
+    out = tmp_path / "run"
+    proc = run_cli(tiny_args(tiny_dataset, out, "--mixed_precision", precision, "--max_grad_norm", "1.0"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+
+    results = read_results(out)
+    assert RESULT_KEYS <= results.keys()
+    assert results["mixed_precision"] == precision
+    assert results["mixed_precision_source"] == "--mixed_precision flag"
+    assert results["epochs_completed"] == 1
+    assert results["train_samples"] == 294 and results["val_samples"] == 33 and results["test_samples"] == 83
+    assert results["train_images_per_second"] > 0
+    assert 0.0 <= results["test_accuracy"] <= 1.0
+    assert results["best_val_accuracy"] == results["history"][0]["val_accuracy"]
+    assert f"mixed precision in effect: {precision}" in proc.stdout
+
+    weights = load_file(out / "model.safetensors")
+    assert weights["classifier.weight"].shape == (10, 128)
+    state = json.loads((out / "checkpoints" / "epoch_0001" / "trainer_state.json").read_text())
+    assert state["epoch"] == 1 and state["best_epoch"] == 1
+    assert state["global_step"] == 294 // 32
+    checkpoint_weights = load_file(out / "checkpoints" / "epoch_0001" / "model.safetensors")
+    assert torch.equal(checkpoint_weights["classifier.weight"], weights["classifier.weight"])
+    assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == precision
+
+    events = EventAccumulator(str(out / "logs" / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in (
+        "train/loss",
+        "train/accuracy",
+        "val/loss",
+        "val/accuracy",
+        "learning_rate",
+        "train/images_per_second",
+        "epoch_seconds",
+        "test/accuracy",
+    ):
+        assert tag in scalars
+    (val_accuracy,) = events.Scalars("val/accuracy")
+    assert val_accuracy.step == 1
+    assert val_accuracy.value == pytest.approx(results["history"][0]["val_accuracy"])
+    (test_accuracy,) = events.Scalars("test/accuracy")
+    assert test_accuracy.value == pytest.approx(results["test_accuracy"])
+
+
+def test_fp16_on_cpu_warns_once_and_records_fp32(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(tiny_args(tiny_dataset, out, "--mixed_precision", "fp16", "--max_train_samples", "100"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if "is not available on cpu" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0]
+    results = read_results(out)
+    assert results["mixed_precision"] == "no"
+    assert results["requested_mixed_precision"] == "fp16"
+
+
+def test_resume_continues_from_next_epoch_and_matches_uninterrupted_run(tiny_dataset, cli_env, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli(tiny_args(tiny_dataset, straight, "--num_train_epochs", "2"), cli_env).returncode == 0
+    assert run_cli(tiny_args(tiny_dataset, resumed), cli_env).returncode == 0
+    first = read_results(resumed)
+
+    proc = run_cli(
+        tiny_args(tiny_dataset, resumed, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"), cli_env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stdout and "epoch_0001: 1 epochs done" in proc.stdout
+    results = read_results(resumed)
+    assert results["epochs_completed"] == 2
+    assert [r["epoch"] for r in results["history"]] == [1, 2]
+    assert results["history"][0] == first["history"][0]
+
+    # Model, optimizer, scheduler, sampler epoch and RNG are all restored: the weights are bitwise the same.
+    expected, actual = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    assert read_results(straight)["history"][1]["val_accuracy"] == results["history"][1]["val_accuracy"]
+
+
+def test_refuses_an_output_dir_that_holds_another_run(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "already holds a run" in proc.stderr and "--overwrite_output_dir" in proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_missing_dataset_path_is_one_line_and_exit_2(cli_env, tmp_path):
+    proc = run_cli(["--dataset_name", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "out")], cli_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "does not exist" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_dataset_offline_points_to_a_local_copy(cli_env, tmp_path):
+    proc = run_cli(["--output_dir", str(tmp_path / "out")], cli_env)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: cannot load dataset 'uoft-cs/cifar10'") and "--dataset_name" in proc.stderr
