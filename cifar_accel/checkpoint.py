@@ -1,9 +1,11 @@
 """Checkpoints on top of ``accelerator.save_state`` / ``load_state``, with the trainer state as JSON.
 
-A checkpoint is ``<output_dir>/checkpoints/epoch_NNNN/``: Accelerate's files
-(model weights as safetensors, optimizer, scheduler, GradScaler, RNG states,
-sampler) plus ``trainer_state.json``. It is written under a temporary name and
-renamed when complete, so a folder with the final name is always whole.
+A checkpoint is ``<output_dir>/checkpoints/step_NNNNNNNN/`` (named by optimizer
+step): Accelerate's files (model weights as safetensors, optimizer, scheduler,
+GradScaler, RNG states, sampler) plus ``trainer_state.json``, which holds the
+progress as plain data; nothing of ours is pickled. A checkpoint is written
+under a temporary name and renamed once complete, so a folder with the final
+name is always whole.
 """
 
 from __future__ import annotations
@@ -22,26 +24,20 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError
 
 STATE_FILE = "trainer_state.json"
-_NAME = re.compile(r"^epoch_(\d{4,})$")
+PARTIAL_PREFIX = ".partial-"
+_NAME = re.compile(r"^step_(\d{8,})$")
 
 # Config fields a resumed run must share with the checkpoint: they change shapes,
-# the data split or the precision, or the restored optimizer/scheduler would ignore them.
+# the data split or order, or the restored optimizer and scheduler would ignore them.
 FINGERPRINT_FIELDS = (
-    "dataset_name",
-    "image_column_name",
-    "label_column_name",
-    "val_ratio",
-    "max_train_samples",
-    "seed",
-    "model_name",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "learning_rate",
-    "weight_decay",
-    "lr_scheduler_type",
-    "lr_step_size",
-    "lr_gamma",
-)
+    "dataset_name", "image_column_name", "label_column_name", "val_ratio", "max_train_samples", "seed",
+    "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
+    "lr_scheduler_type", "lr_step_size", "lr_gamma", "augment",
+)  # fmt: skip
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (for example, the disk is full); earlier ones are untouched."""
 
 
 @dataclass
@@ -49,17 +45,42 @@ class TrainerState:
     """Progress of a run, saved as JSON in every checkpoint."""
 
     epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0  # batches of the current epoch already trained on
     global_step: int = 0  # optimizer steps taken
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images so far
+    epoch_train_seconds: float = 0.0  # training time of the current epoch so far
     best_val_accuracy: float | None = None
     best_epoch: int | None = None
+    best_checkpoint: str | None = None
     epochs_without_improvement: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     config_fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    def record_epoch(self, record: dict[str, Any]) -> bool:
+        """Close one epoch with its metrics; returns whether its validation accuracy is the best so far."""
+        self.epoch = record["epoch"]
+        self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [0.0, 0.0, 0.0], 0.0
+        self.history.append(record)
+        improved = self.best_val_accuracy is None or record["val_accuracy"] > self.best_val_accuracy
+        if improved:
+            self.best_val_accuracy, self.best_epoch = record["val_accuracy"], record["epoch"]
+            self.best_checkpoint = checkpoint_name(self.global_step)
+            self.epochs_without_improvement = 0
+        else:
+            self.epochs_without_improvement += 1
+        return improved
+
+    def should_stop_early(self, patience: int) -> bool:
+        return patience > 0 and self.epochs_without_improvement >= patience
 
 
 def config_fingerprint(config: TrainConfig, mixed_precision: str) -> dict[str, Any]:
     values = {name: getattr(config, name) for name in FINGERPRINT_FIELDS}
     return {**values, "mixed_precision": mixed_precision}
+
+
+def checkpoint_name(global_step: int) -> str:
+    return f"step_{global_step:08d}"
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -75,31 +96,43 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainerState) -> Path:
-    """Save the full training state for the end of ``state.epoch``; keep only the newest and the best."""
+def remove_partial_checkpoints(output_dir: str | Path) -> None:
+    """Delete checkpoints whose writing was cut off (by a crash or a kill)."""
     root = checkpoint_dir(output_dir)
-    final = root / f"epoch_{state.epoch:04d}"
-    partial = root / f".partial-{final.name}"
+    for partial in root.glob(f"{PARTIAL_PREFIX}*") if root.is_dir() else []:
+        shutil.rmtree(partial)
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int) -> Path:
+    """Save the full training state; keep the newest ``keep`` checkpoints and the best one."""
+    final = checkpoint_dir(output_dir) / checkpoint_name(state.global_step)
+    partial = final.with_name(PARTIAL_PREFIX + final.name)
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (partial / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
+    except Exception as err:  # torch.save, safetensors and json each report a full disk in their own way
+        shutil.rmtree(partial, ignore_errors=True)
+        previous = complete_checkpoints(output_dir)
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointSaveError(
+            f"saving checkpoint {final.name} failed ({reason}); {kept}; free space and resume with "
+            "--resume_from_checkpoint latest"
+        ) from err
     if accelerator.is_main_process:
-        (partial / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
-        if final.exists():
+        if final.exists():  # an epoch's end can fall on a step that was just saved mid-epoch
             shutil.rmtree(final)
         partial.rename(final)
-        keep = {final.name, f"epoch_{state.best_epoch:04d}"}
-        for old in complete_checkpoints(output_dir):
-            if old.name not in keep:
+        for old in complete_checkpoints(output_dir)[:-keep]:
+            if old.name != state.best_checkpoint:
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
-
-
-def best_checkpoint(output_dir: str | Path, state: TrainerState) -> Path:
-    return checkpoint_dir(output_dir) / f"epoch_{state.best_epoch:04d}"
 
 
 def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
@@ -121,8 +154,7 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
 
 def read_trainer_state(path: Path) -> TrainerState:
     try:
-        data = json.loads((path / STATE_FILE).read_text())
-        return TrainerState(**data)
+        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (ValueError, TypeError) as err:
         raise InputError(f"checkpoint '{path}' has an unreadable {STATE_FILE}: {err}") from None
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,9 +28,17 @@ Precision = Literal["no", "fp16", "bf16"]
 DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
 
 
-def _field(default: Any, help: str, *, aliases: tuple[str, ...] = (), **bounds: float) -> Any:
-    """A config field with its help text, extra flag names and bounds (ge, gt, le, lt)."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "bounds": bounds})
+def _field(
+    default: Any,
+    help: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    pattern: tuple[str, str] | None = None,
+    **bounds: float,
+) -> Any:
+    """A config field: help text, extra flag names, bounds (ge, gt, le, lt), and for strings a
+    (regular expression, description) pair the value must match."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "pattern": pattern, "bounds": bounds})
 
 
 @dataclass
@@ -71,7 +81,9 @@ class TrainConfig:
     )
     max_grad_norm: float | None = _field(None, "Clip the total gradient norm to this value (after unscaling).", gt=0)
     gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", ge=1)
-    seed: int = _field(42, "Seed for the weights, the validation split, data order and augmentation.", ge=0)
+    seed: int = _field(
+        42, "Seed for the weights, the validation split, data order and augmentation.", ge=0, le=2**32 - 1
+    )
 
     # Hardware and precision
     mixed_precision: Precision | None = _field(
@@ -86,6 +98,11 @@ class TrainConfig:
     resume_from_checkpoint: str | None = _field(
         None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", aliases=("--resume",)
     )
+    checkpointing_steps: str = _field(
+        "epoch", "Save a checkpoint every N optimizer steps, or 'epoch'; one is always saved at each epoch's end.",
+        pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
+    )  # fmt: skip
+    checkpoints_total_limit: int = _field(2, "Keep the newest N checkpoints, plus the best one.", ge=1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,6 +162,9 @@ def _check_value(name: str, value: Any, origin: str) -> Any:
         if optional:
             return None
         raise InputError(f"{origin}: '{name}' must not be empty")
+    pattern = FIELDS[name].metadata["pattern"]
+    if pattern and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # a number of steps written without quotes in YAML
     if choices is not None and value not in choices:
         raise InputError(f"{origin}: '{name}' must be one of {', '.join(map(str, choices))}, not {value!r}")
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
@@ -152,6 +172,12 @@ def _check_value(name: str, value: Any, origin: str) -> Any:
         value, ok = float(value), True
     if not ok:
         raise InputError(f"{origin}: '{name}' must be {kind.__name__}, not {type(value).__name__} ({value!r})")
+    if kind is float and not math.isfinite(value):
+        raise InputError(f"{origin}: '{name}' must be a finite number, not {value!r}")
+    if kind is str and not value.strip():
+        raise InputError(f"{origin}: '{name}' must not be an empty string")
+    if pattern and not re.fullmatch(pattern[0], value):
+        raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {value!r}")
     for bound, limit in FIELDS[name].metadata["bounds"].items():
         fails = {"ge": value < limit, "gt": value <= limit, "le": value > limit, "lt": value >= limit}[bound]
         if fails:

@@ -96,7 +96,7 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
 def _decode_batch(batch: dict, indices: list[int], image_column: str) -> dict:
     """Decode encoded images to (3, 32, 32) uint8 arrays, converting mode and size where needed."""
     pixels, converted = [], []
-    for index, image in zip(indices, batch[image_column], strict=False):
+    for index, image in zip(indices, batch[image_column], strict=True):
         try:
             source = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
             with Image.open(source) as pil:
@@ -175,6 +175,16 @@ def load_data(config: TrainConfig) -> CifarData:
     return CifarData(train=train, val=val, test=test, class_names=class_names)
 
 
-def make_loader(split: Split, batch_size: int, train: bool) -> DataLoader:
-    """Batches of (uint8 images, labels); training batches are shuffled and the last partial one dropped."""
-    return DataLoader(TensorDataset(split.images, split.labels), batch_size=batch_size, shuffle=train, drop_last=train)
+def make_loader(split: Split, batch_size: int, train: bool, seed: int = 0) -> DataLoader:
+    """Batches of (uint8 images, labels); training batches are shuffled and the last partial one dropped.
+
+    The loader gets a generator of its own, so iterating it never draws from the global torch RNG
+    that the augmentation uses: a run resumed mid-epoch then sees the same random numbers.
+    """
+    return DataLoader(
+        TensorDataset(split.images, split.labels),
+        batch_size=batch_size,
+        shuffle=train,
+        drop_last=train,
+        generator=torch.Generator().manual_seed(seed),
+    )

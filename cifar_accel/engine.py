@@ -51,11 +51,17 @@ def train_one_epoch(
     optimizer: torch.optim.Optimizer,
     transform: Transform,
     max_grad_norm: float | None = None,
+    totals: torch.Tensor | None = None,
+    after_step: Callable[[torch.Tensor], None] | None = None,
     description: str = "train",
 ) -> dict[str, float]:
-    """Train over ``loader`` once; loss, accuracy, images and seconds summed over all processes."""
+    """Train over ``loader`` once; loss, accuracy and images summed over all processes, and this call's seconds.
+
+    ``totals`` (loss sum, correct, images on this process) carries the first part of an epoch that was resumed
+    mid-way; ``after_step(totals)`` runs after every batch (checkpointing, stop requests).
+    """
     model.train()
-    totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
+    totals = torch.zeros(3, device=accelerator.device) if totals is None else totals
     start = time.perf_counter()
     progress = tqdm(
         loader, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process
@@ -68,8 +74,10 @@ def train_one_epoch(
         totals[0] += loss.float() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
+        if after_step is not None:
+            after_step(totals)
     seconds = time.perf_counter() - start
-    loss_sum, correct, seen = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, correct, seen = accelerator.reduce(totals.clone(), reduction="sum").tolist()
     return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
 
 

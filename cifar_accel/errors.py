@@ -2,6 +2,7 @@
 
 0 success; 2 bad input (config, flags, data, checkpoint); 1 a fault at run
 time. Both failures print one line on stderr; ``--debug`` shows the traceback.
+A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from collections.abc import Callable, Sequence
 
 class InputError(Exception):
     """Something the user gave us is wrong; the message says what and how to fix it."""
+
+
+class Stopped(Exception):
+    """The run was stopped on request (SIGINT, SIGTERM) after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
@@ -25,6 +34,9 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         if debug:
             raise

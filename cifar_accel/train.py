@@ -24,18 +24,20 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from cifar_accel.checkpoint import (
     TrainerState,
-    best_checkpoint,
+    checkpoint_dir,
     config_fingerprint,
     load_checkpoint,
+    remove_partial_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
 )
 from cifar_accel.config import TrainConfig, load_config, save_config
 from cifar_accel.data import check_dataset_path, load_data, make_loader
 from cifar_accel.engine import evaluate_model, train_one_epoch
-from cifar_accel.errors import InputError, run_cli
+from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
+from cifar_accel.stopping import StopRequest
 from cifar_accel.transforms import BatchTransform
 
 logger = get_logger(__name__)
@@ -93,9 +95,7 @@ def tracker_config(config: TrainConfig) -> dict[str, Any]:
     return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
 
 
-def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
-    check_dataset_path(config.dataset_name)
-    output_dir = prepare_output_dir(config)
+def build_accelerator(config: TrainConfig, output_dir: Path) -> Accelerator:
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision,
         cpu=config.cpu,
@@ -103,7 +103,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         log_with="tensorboard",
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-        step_scheduler_with_optimizer=False,
+        step_scheduler_with_optimizer=False,  # the schedule steps once per epoch
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
         raise InputError(
@@ -111,11 +111,55 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
             "on CPUs launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu', on GPUs with "
             "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
         )
-    if config.overwrite_output_dir and config.resume_from_checkpoint is None and accelerator.is_main_process:
-        for stale in ("checkpoints", "logs"):
-            if (output_dir / stale).exists():
-                logger.info(f"--overwrite_output_dir: removing the earlier run's {output_dir / stale}")
-                shutil.rmtree(output_dir / stale)
+    return accelerator
+
+
+def epoch_record(epoch: int, train: dict, val: dict, learning_rate: float, seconds: float) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "train_loss": train["loss"],
+        "train_accuracy": train["accuracy"],
+        "val_loss": val["loss"],
+        "val_accuracy": val["accuracy"],
+        "learning_rate": learning_rate,
+        "train_images": train["images"],
+        "train_seconds": train["seconds"],
+        "train_images_per_second": train["images"] / train["seconds"],
+        "epoch_seconds": seconds,
+    }
+
+
+def log_epoch(accelerator: Accelerator, record: dict[str, Any]) -> None:
+    accelerator.log(
+        {
+            "train/loss": record["train_loss"],
+            "train/accuracy": record["train_accuracy"],
+            "val/loss": record["val_loss"],
+            "val/accuracy": record["val_accuracy"],
+            "learning_rate": record["learning_rate"],
+            "train/images_per_second": record["train_images_per_second"],
+            "epoch_seconds": record["epoch_seconds"],
+        },
+        step=record["epoch"],
+    )
+    logger.info(
+        f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
+        f"val loss {record['val_loss']:.4f} acc {record['val_accuracy']:.4f} | lr {record['learning_rate']:.2e} | "
+        f"{record['train_images_per_second']:.0f} img/s | {record['epoch_seconds']:.1f} s"
+    )
+
+
+def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
+    check_dataset_path(config.dataset_name)
+    output_dir = prepare_output_dir(config)
+    accelerator = build_accelerator(config, output_dir)
+    if accelerator.is_main_process:
+        if config.overwrite_output_dir and config.resume_from_checkpoint is None:
+            for stale in ("checkpoints", "logs"):
+                if (output_dir / stale).exists():
+                    logger.info(f"--overwrite_output_dir: removing the earlier run's {output_dir / stale}")
+                    shutil.rmtree(output_dir / stale)
+        remove_partial_checkpoints(output_dir)
     accelerator.wait_for_everyone()
 
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
@@ -128,16 +172,17 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     set_seed(config.seed)
     with accelerator.main_process_first():
         data = load_data(config)
-    if len(data.train) < config.per_device_train_batch_size * accelerator.num_processes:
+    global_batch = config.per_device_train_batch_size * accelerator.num_processes
+    if len(data.train) < global_batch:
         raise InputError(
-            f"{len(data.train)} training images are fewer than one batch of "
-            f"{config.per_device_train_batch_size} per process; lower --per_device_train_batch_size"
+            f"{len(data.train)} training images are fewer than one batch of {global_batch}; "
+            "lower --per_device_train_batch_size"
         )
     logger.info(
         f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images; "
         f"batch {config.per_device_train_batch_size} per process x {accelerator.num_processes} processes x "
         f"{config.gradient_accumulation_steps} accumulation steps = "
-        f"{config.per_device_train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps} global"
+        f"{global_batch * config.gradient_accumulation_steps} global"
     )
 
     model = build_model(config.model_name, num_classes=len(data.class_names))
@@ -145,7 +190,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = build_scheduler(config, optimizer)
-    train_loader = make_loader(data.train, config.per_device_train_batch_size, train=True)
+    train_loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
     test_loader = make_loader(data.test, config.per_device_eval_batch_size, train=False)
     model, optimizer, scheduler, train_loader, val_loader, test_loader = accelerator.prepare(
@@ -159,84 +204,76 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, fingerprint)
         logger.info(
-            f"resumed from {resume_path}: {state.epoch} epochs done, best validation accuracy {state.best_val_accuracy}"
+            f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "
+            f"best val accuracy {state.best_val_accuracy}"
         )
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
     accelerator.init_trackers("tensorboard", config=tracker_config(config))
+    stop = StopRequest().install()
+    steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
 
-    patience = config.early_stopping_patience
+    def save(state: TrainerState) -> Path:
+        return save_checkpoint(accelerator, output_dir, state, keep=config.checkpoints_total_limit)
+
+    def stopped(checkpoint: Path) -> Stopped:
+        return Stopped(
+            f"stopped by {stop.name} after {state.epoch} epochs and {state.step_in_epoch} batches "
+            f"(optimizer step {state.global_step}); saved {checkpoint}; resume with --resume_from_checkpoint latest",
+            exit_code=stop.exit_code,
+        )
+
     for epoch in range(state.epoch, config.num_train_epochs):
-        if patience and state.epochs_without_improvement >= patience:
+        if state.should_stop_early(config.early_stopping_patience):
+            logger.info(f"early stopping: no better validation accuracy for {config.early_stopping_patience} epochs")
             break
         epoch_start = time.perf_counter()
         learning_rate = scheduler.get_last_lr()[0]
         train_loader.set_epoch(epoch)
-        train_stats = train_one_epoch(
-            accelerator,
-            model,
-            train_loader,
-            optimizer,
-            train_transform,
-            config.max_grad_norm,
-            description=f"epoch {epoch + 1}/{config.num_train_epochs}",
+        loader = (
+            accelerator.skip_first_batches(train_loader, state.step_in_epoch) if state.step_in_epoch else train_loader
         )
+        totals = torch.zeros(3, device=accelerator.device)
+        if accelerator.is_main_process:  # a resumed epoch's first part, counted once
+            totals += torch.tensor(state.epoch_totals, device=accelerator.device)
+        seconds_before = state.epoch_train_seconds
+
+        def after_step(totals: torch.Tensor, epoch_start: float = epoch_start, seconds_before: float = seconds_before):
+            state.step_in_epoch += 1
+            if not accelerator.sync_gradients:
+                return
+            state.global_step += 1
+            stopping = stop.requested(accelerator)
+            if stopping or (steps_between_saves and state.global_step % steps_between_saves == 0):
+                state.epoch_totals = accelerator.reduce(totals.clone(), reduction="sum").tolist()
+                state.epoch_train_seconds = seconds_before + time.perf_counter() - epoch_start
+                checkpoint = save(state)
+                if stopping:
+                    raise stopped(checkpoint)
+
+        train_stats = train_one_epoch(
+            accelerator, model, loader, optimizer, train_transform, config.max_grad_norm, totals, after_step,
+            description=f"epoch {epoch + 1}/{config.num_train_epochs}",
+        )  # fmt: skip
+        train_stats["seconds"] += seconds_before
         val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
         scheduler.step()
-
-        state.epoch = epoch + 1
-        state.global_step += len(train_loader) // config.gradient_accumulation_steps
-        if state.best_val_accuracy is None or val_stats["accuracy"] > state.best_val_accuracy:
-            state.best_val_accuracy, state.best_epoch, state.epochs_without_improvement = (
-                val_stats["accuracy"],
-                epoch + 1,
-                0,
-            )
-        else:
-            state.epochs_without_improvement += 1
-        record = {
-            "epoch": epoch + 1,
-            "train_loss": train_stats["loss"],
-            "train_accuracy": train_stats["accuracy"],
-            "val_loss": val_stats["loss"],
-            "val_accuracy": val_stats["accuracy"],
-            "learning_rate": learning_rate,
-            "train_images": train_stats["images"],
-            "train_seconds": train_stats["seconds"],
-            "train_images_per_second": train_stats["images"] / train_stats["seconds"],
-            "epoch_seconds": time.perf_counter() - epoch_start,
-        }
-        state.history.append(record)
-        accelerator.log(
-            {
-                "train/loss": record["train_loss"],
-                "train/accuracy": record["train_accuracy"],
-                "val/loss": record["val_loss"],
-                "val/accuracy": record["val_accuracy"],
-                "learning_rate": learning_rate,
-                "train/images_per_second": record["train_images_per_second"],
-                "epoch_seconds": record["epoch_seconds"],
-            },
-            step=epoch + 1,
-        )
-        logger.info(
-            f"epoch {epoch + 1}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
-            f"val loss {record['val_loss']:.4f} acc {record['val_accuracy']:.4f} | lr {learning_rate:.2e} | "
-            f"{record['train_images_per_second']:.0f} img/s | {record['epoch_seconds']:.1f} s"
-        )
-        save_checkpoint(accelerator, output_dir, state)
-        if patience and state.epochs_without_improvement >= patience:
-            logger.info(f"early stopping: no better validation accuracy for {patience} epochs")
+        record = epoch_record(epoch + 1, train_stats, val_stats, learning_rate, time.perf_counter() - epoch_start)
+        state.record_epoch(record)
+        log_epoch(accelerator, record)
+        checkpoint = save(state)
+        if stop.requested(accelerator):
+            raise stopped(checkpoint)
 
     if state.best_epoch is None:
         raise InputError("no epoch was trained; raise --num_train_epochs")
-    best_weights = safetensors.torch.load_file(best_checkpoint(output_dir, state) / "model.safetensors")
+    # Test once, with the weights that had the best validation accuracy; those become model.safetensors.
+    best_weights = safetensors.torch.load_file(checkpoint_dir(output_dir) / state.best_checkpoint / "model.safetensors")
     accelerator.unwrap_model(model).load_state_dict(best_weights)
     test_stats = evaluate_model(accelerator, model, test_loader, eval_transform, metric)
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
     accelerator.save_model(model, output_dir)
 
-    train_seconds = sum(r["train_seconds"] for r in state.history)
     results = {
         "best_val_accuracy": state.best_val_accuracy,
         "best_epoch": state.best_epoch,
@@ -244,11 +281,12 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         "test_loss": test_stats["loss"],
         "test_samples": test_stats["samples"],
         "epochs_completed": state.epoch,
-        "stopped_early": bool(patience) and state.epochs_without_improvement >= patience,
+        "stopped_early": state.should_stop_early(config.early_stopping_patience),
         "mixed_precision": mixed_precision,
         "requested_mixed_precision": config.mixed_precision,
         "mixed_precision_source": precision_source,
-        "train_images_per_second": sum(r["train_images"] for r in state.history) / train_seconds,
+        "train_images_per_second": sum(r["train_images"] for r in state.history)
+        / sum(r["train_seconds"] for r in state.history),
         "seconds_per_epoch": sum(r["epoch_seconds"] for r in state.history) / len(state.history),
         "num_processes": accelerator.num_processes,
         "device": str(accelerator.device),

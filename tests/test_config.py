@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import run_cli
 
 from cifar_accel.config import (
     DEFAULT_CONFIG_FILE,
@@ -17,6 +16,8 @@ from cifar_accel.config import (
     resolve_mixed_precision,
 )
 from cifar_accel.errors import InputError
+
+from conftest import run_cli
 
 
 @pytest.fixture(autouse=True)

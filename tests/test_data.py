@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import make_images, write_hub_dataset
 from PIL import Image
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_data
 from cifar_accel.errors import InputError
 
+from conftest import make_images, write_hub_dataset
+
 
 @pytest.fixture(autouse=True)
 def datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
 
 
 def config_for(dataset, **changes) -> TrainConfig:
@@ -33,10 +35,10 @@ def test_splits_are_uint8_tensors_with_class_names(tiny_dataset):
     images, labels = make_images(327, seed=0)
     stored = sorted(
         (bytes(torch.from_numpy(np.asarray(i)).permute(2, 0, 1).numpy()), y)
-        for i, y in zip(images, labels, strict=False)
+        for i, y in zip(images, labels, strict=True)
     )
     split = torch.cat([data.train.images, data.val.images]), torch.cat([data.train.labels, data.val.labels])
-    assert sorted((bytes(x.numpy()), int(y)) for x, y in zip(*split, strict=False)) == stored
+    assert sorted((bytes(x.numpy()), int(y)) for x, y in zip(*split, strict=True)) == stored
 
 
 def test_validation_split_is_seeded_and_disjoint(tiny_dataset):
@@ -56,8 +58,6 @@ def test_sample_limits(tiny_dataset):
 
 def test_odd_images_are_converted_to_32x32_rgb(tmp_path):
     root = write_hub_dataset(tmp_path / "odd", train_size=20, test_size=10)
-    import datasets
-
     features = datasets.Features(
         {"img": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
     )
@@ -72,8 +72,6 @@ def test_odd_images_are_converted_to_32x32_rgb(tmp_path):
 
 
 def test_named_columns_and_missing_columns(tmp_path):
-    import datasets
-
     root = tmp_path / "renamed"
     features = datasets.Features({"picture": datasets.Image(), "target": datasets.Value("int64")})
     images, labels = make_images(30, seed=0)
@@ -86,3 +84,16 @@ def test_named_columns_and_missing_columns(tmp_path):
         load_data(config_for(root))
     data = load_data(config_for(root, image_column_name="picture", label_column_name="target"))
     assert len(data.class_names) == 10 and len(data.test) == 30
+
+
+def test_an_image_folder_loads_with_folder_names_as_classes(tmp_path):
+    images, labels = make_images(40, seed=3)
+    for split in ("train", "test"):
+        for index, (image, label) in enumerate(zip(images, labels, strict=True)):
+            folder = tmp_path / "folder" / split / f"class_{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            image.save(folder / f"{index}.png")
+    data = load_data(config_for(tmp_path / "folder"))
+    assert data.class_names == [f"class_{i}" for i in range(10)]
+    assert len(data.train) + len(data.val) == 40 and len(data.test) == 40
+    assert sorted(data.test.labels.tolist()) == sorted(labels)

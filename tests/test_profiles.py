@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+
 from conftest import REPO, read_results, run_cli, tiny_args
 
 PROFILES = sorted((REPO / "accelerate_configs").glob("*.yaml"))

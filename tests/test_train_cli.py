@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import read_results, run_cli, tiny_args
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import read_results, run_cli, tiny_args
 
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
 
@@ -33,10 +34,10 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
 
     weights = load_file(out / "model.safetensors")
     assert weights["classifier.weight"].shape == (10, 128)
-    state = json.loads((out / "checkpoints" / "epoch_0001" / "trainer_state.json").read_text())
+    state = json.loads((out / "checkpoints" / "step_00000009" / "trainer_state.json").read_text())
     assert state["epoch"] == 1 and state["best_epoch"] == 1
     assert state["global_step"] == 294 // 32
-    checkpoint_weights = load_file(out / "checkpoints" / "epoch_0001" / "model.safetensors")
+    checkpoint_weights = load_file(out / "checkpoints" / "step_00000009" / "model.safetensors")
     assert torch.equal(checkpoint_weights["classifier.weight"], weights["classifier.weight"])
     assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == precision
 
@@ -82,7 +83,7 @@ def test_resume_continues_from_next_epoch_and_matches_uninterrupted_run(tiny_dat
         tiny_args(tiny_dataset, resumed, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"), cli_env
     )
     assert proc.returncode == 0, proc.stderr
-    assert "resumed from" in proc.stdout and "epoch_0001: 1 epochs done" in proc.stdout
+    assert "resumed from" in proc.stdout and "step_00000009: 1 epochs and 0 batches done" in proc.stdout
     results = read_results(resumed)
     assert results["epochs_completed"] == 2
     assert [r["epoch"] for r in results["history"]] == [1, 2]
@@ -94,6 +95,23 @@ def test_resume_continues_from_next_epoch_and_matches_uninterrupted_run(tiny_dat
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
     assert read_results(straight)["history"][1]["val_accuracy"] == results["history"][1]["val_accuracy"]
+
+
+def test_resume_with_a_different_config_or_a_missing_checkpoint_is_refused(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
+    proc = run_cli([*args, "--resume_from_checkpoint", "latest", "--seed", "7", "--lr", "0.01"], cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "different config" in line and "seed: checkpoint 42, now 7" in line
+    assert "learning_rate: checkpoint 0.001, now 0.01" in line
+
+    proc = run_cli([*args, "--resume_from_checkpoint", str(tmp_path / "nope")], cli_env)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_refuses_an_output_dir_that_holds_another_run(tiny_dataset, cli_env, tmp_path):

@@ -35,7 +35,7 @@ def test_random_crop_is_a_shifted_window_of_the_zero_padded_image(images):
     torch.manual_seed(0)
     cropped = T.random_crop(images)
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
-    for img, out in zip(padded, cropped, strict=False):
+    for img, out in zip(padded, cropped, strict=True):
         windows = [
             (dy, dx) for dy in range(9) for dx in range(9) if torch.equal(img[:, dy : dy + 32, dx : dx + 32], out)
         ]

@@ -1,0 +1,67 @@
+"""Images/s of the training step alone (SimpleCNN, ready tensors), per precision and memory format.
+
+Shows whether bf16 pays on this machine before you pick a profile:
+
+    python scripts/bench_step.py            # CPU, or the GPU when there is one
+    python scripts/bench_step.py --cpu --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from cifar_accel.engine import training_step
+from cifar_accel.models import SimpleCNN
+
+
+def images_per_second(precision: str, channels_last: bool, batch_size: int, steps: int, cpu: bool) -> float:
+    accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
+    model = SimpleCNN()
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inputs = torch.randn(batch_size, 3, 32, 32, device=accelerator.device).contiguous(memory_format=memory_format)
+    targets = torch.randint(0, 10, (batch_size,), device=accelerator.device)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            training_step(accelerator, model, optimizer, F.cross_entropy, inputs, targets)
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    run(3)  # warm-up
+    start = time.perf_counter()
+    run(steps)
+    seconds = time.perf_counter() - start
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return batch_size * steps / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    precisions = ["no", "fp16", "bf16"] if on_gpu else ["no", "bf16"]
+    print(
+        f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}; torch {torch.__version__}; "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {torch.get_num_threads()} threads"
+    )
+    print(f"{'precision':<10}{'layout':<15}{'images/s':>10}")
+    for precision in precisions:
+        for channels_last in (False, True):
+            rate = images_per_second(precision, channels_last, args.batch_size, args.steps, args.cpu)
+            print(f"{precision:<10}{'channels_last' if channels_last else 'NCHW':<15}{rate:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()

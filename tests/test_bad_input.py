@@ -1,0 +1,203 @@
+"""Bad input and misuse, each through the real CLI: exit code, one clear line on stderr, nothing lost."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+from PIL import Image
+
+from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with a hash of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def write_split_files(root: Path, train: datasets.Dataset, test: datasets.Dataset) -> Path:
+    (root / "data").mkdir(parents=True)
+    train.to_parquet(root / "data" / "train-00000-of-00001.parquet")
+    test.to_parquet(root / "data" / "test-00000-of-00001.parquet")
+    return root
+
+
+FEATURES = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})
+
+
+def good_split(count: int = 40, seed: int = 0) -> datasets.Dataset:
+    images, labels = make_images(count, seed)
+    return datasets.Dataset.from_dict({"img": images, "label": labels}, features=FEATURES)
+
+
+def corrupt_dataset(root: Path) -> Path:
+    images, labels = make_images(40, 0)
+    encoded = [{"bytes": None, "path": None} for _ in images]
+    for i, image in enumerate(images):
+        encoded[i] = datasets.Image().encode_example(image)
+    encoded[17] = {"bytes": b"this is not an image", "path": None}
+    train = datasets.Dataset.from_dict({"img": encoded, "label": labels}, features=FEATURES)
+    return write_split_files(root, train, good_split(20, 1))
+
+
+def empty_test_split(root: Path) -> Path:
+    return write_split_files(root, good_split(), good_split().select([]))
+
+
+def labels_out_of_range(root: Path) -> Path:
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    images, labels = make_images(40, 0)
+    labels[5] = -3
+    train = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
+    test = datasets.Dataset.from_dict({"img": images[:10], "label": list(range(10))}, features=features)
+    return write_split_files(root, train, test)
+
+
+def no_label_column(root: Path) -> Path:
+    features = datasets.Features({"img": datasets.Image(), "category": datasets.Value("int64")})
+    images, labels = make_images(40, 0)
+    split = datasets.Dataset.from_dict({"img": images, "category": labels}, features=features)
+    return write_split_files(root, split, split)
+
+
+def no_image_column(root: Path) -> Path:
+    features = datasets.Features({"pixels": datasets.Value("string"), "label": datasets.ClassLabel(names=CLASS_NAMES)})
+    split = datasets.Dataset.from_dict({"pixels": ["a"] * 10, "label": list(range(10))}, features=features)
+    return write_split_files(root, split, split)
+
+
+def bad_yaml(root: Path) -> Path:
+    root.mkdir()
+    (root / "bad.yaml").write_text("learning_rate: [0.1\n")
+    return root / "bad.yaml"
+
+
+def unknown_key_yaml(root: Path) -> Path:
+    root.mkdir()
+    (root / "c.yaml").write_text("num_epochs: 3\n")
+    return root / "c.yaml"
+
+
+# (id, flags, expected exit code, words the error line must contain); "{data}" is the tiny dataset,
+# "{made}" a file or dataset that the case's maker writes.
+CASES = [
+    ("unknown-flag", ["--learning_rat", "0.1"], 2, ["--learning_rat", "did you mean '--learning_rate'"]),
+    ("unknown-key", ["--config", "{made}"], 2, ["num_epochs", "did you mean 'num_train_epochs'"]),
+    ("wrong-type", ["--per_device_train_batch_size", "sixty"], 2, ["per_device_train_batch_size", "invalid int"]),
+    ("lr-zero", ["--learning_rate", "0"], 2, ["learning_rate", "> 0"]),
+    ("batch-zero", ["--per_device_train_batch_size", "0"], 2, ["per_device_train_batch_size", ">= 1"]),
+    ("val-ratio-one", ["--val_ratio", "1"], 2, ["val_ratio", "< 1"]),
+    ("val-ratio-negative", ["--val_ratio", "-0.1"], 2, ["val_ratio", "> 0"]),
+    ("epochs-zero", ["--num_train_epochs", "0"], 2, ["num_train_epochs", ">= 1"]),
+    ("patience-negative", ["--early_stopping_patience", "-1"], 2, ["early_stopping_patience", ">= 0"]),
+    ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),
+    ("unknown-scheduler", ["--lr_scheduler_type", "linear"], 2, ["lr_scheduler_type", "invalid choice"]),
+    ("unknown-model", ["--model_name", "resnet50"], 2, ["model_name", "invalid choice"]),
+    ("unknown-precision", ["--mixed_precision", "fp8"], 2, ["mixed_precision", "invalid choice"]),
+    ("yaml-does-not-parse", ["--config", "{made}"], 2, ["not valid YAML", "line 1"]),
+    ("config-file-missing", ["--config", "/nonexistent/c.yaml"], 2, ["cannot read config file"]),
+    ("dataset-missing", ["--dataset_name", "/nonexistent/cifar"], 2, ["does not exist", "--dataset_name"]),
+    ("no-label-column", ["--dataset_name", "{made}"], 2, ["label column 'label' not found", "--label_column_name"]),
+    ("no-image-column", ["--dataset_name", "{made}"], 2, ["no image column", "--image_column_name"]),
+    ("wrong-image-column", ["--dataset_name", "{data}", "--image_column_name", "picture"], 2,
+     ["image column 'picture' not found", "img"]),
+    ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
+    ("empty-split", ["--dataset_name", "{made}"], 2, ["'test' split is empty"]),
+    ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
+    ("resume-missing", ["--dataset_name", "{data}", "--resume_from_checkpoint", "/nonexistent/ckpt"], 2,
+     ["does not exist"]),
+]  # fmt: skip
+MAKERS = {
+    "unknown-key": unknown_key_yaml,
+    "yaml-does-not-parse": bad_yaml,
+    "no-label-column": no_label_column,
+    "no-image-column": no_image_column,
+    "corrupt-image": corrupt_dataset,
+    "empty-split": empty_test_split,
+    "label-out-of-range": labels_out_of_range,
+}
+
+
+@pytest.fixture
+def earlier_output(tmp_path) -> Path:
+    """An output folder that already holds a user's file, which no failing run may touch."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("results of an earlier experiment\n")
+    return out
+
+
+@pytest.mark.parametrize(("case", "flags", "code", "words"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_an_exit_code(tiny_dataset, cli_env, tmp_path, earlier_output, case, flags, code,
+                                                words):  # fmt: skip
+    made = MAKERS[case](tmp_path / "made") if case in MAKERS else None
+    args = [a.format(data=tiny_dataset, made=made) for a in flags]
+    before = snapshot(earlier_output)
+
+    proc = run_cli(["--output_dir", str(earlier_output), "--num_train_epochs", "1", *args], cli_env)
+
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0]
+    assert snapshot(earlier_output) == before
+
+
+def test_odd_images_are_converted_with_a_note(cli_env, tmp_path):
+    features = FEATURES
+    odd = [Image.new("L", (32, 32), 90), Image.new("RGBA", (32, 32), (1, 2, 3, 4)), Image.new("RGB", (64, 48))]
+    images, labels = make_images(60, 0)
+    train = datasets.Dataset.from_dict({"img": odd + images[3:], "label": labels}, features=features)
+    root = write_split_files(tmp_path / "odd", train, good_split(20, 1))
+    out = tmp_path / "out"
+    proc = run_cli(tiny_args(root, out, "--max_eval_samples", "10"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "train: converted 3 images to 32x32 RGB" in proc.stdout
+
+
+def test_output_dir_that_cannot_be_created(tiny_dataset, cli_env, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_cli(tiny_args(tiny_dataset, blocker / "out"), cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "is not writable" in line and "--output_dir" in line
+    assert blocker.read_text() == "not a folder"
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli_env, tmp_path):
+    """The run writes into a 1.8 MB tmpfs (private mount namespace): epoch 1's checkpoint (about 1.2 MB) fits,
+    epoch 2's does not. The run must stop with one line, leave epoch 1's checkpoint whole, and resume from it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    mounted, kept = tmp_path / "small_disk", tmp_path / "copy"
+    mounted.mkdir()
+    args = tiny_args(tiny_dataset, mounted / "run", "--num_train_epochs", "2")
+    script = (
+        f"mount -t tmpfs -o size=1800k tmpfs {mounted} || exit 99; "
+        f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2; cp -r {mounted}/run {kept}'
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if "exit=" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
+    error, status = proc.stderr.strip().splitlines()
+    assert status == "exit=1"
+    assert error.startswith("error: ") and "saving checkpoint step_00000018 failed" in error
+    assert "step_00000009 is intact" in error and "--resume_from_checkpoint latest" in error
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step_00000009"]
+
+    resumed = run_cli(
+        tiny_args(tiny_dataset, kept, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"), cli_env
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_results(kept)["epochs_completed"] == 2

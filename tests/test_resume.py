@@ -1,0 +1,213 @@
+"""Exact, crash-safe resume: interrupted runs end where uninterrupted ones do."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+
+from cifar_accel.checkpoint import (
+    STATE_FILE,
+    TrainerState,
+    complete_checkpoints,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+
+from conftest import read_results, run_cli, tiny_args
+
+TIMING = {"train_seconds", "train_images_per_second", "epoch_seconds"}
+
+
+def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]:
+    """Three epochs of 9 optimizer steps each on the tiny dataset, a checkpoint every 4 steps, all kept."""
+    return tiny_args(
+        dataset, out, "--num_train_epochs", "3", "--mixed_precision", precision, "--checkpointing_steps", "4",
+        "--checkpoints_total_limit", "100", "--max_eval_samples", "40", *extra,
+    )  # fmt: skip
+
+
+def assert_same_run(expected: Path, actual: Path) -> tuple[int, float]:
+    """Bitwise-equal final weights and equal logged metrics; returns (tensors compared, max abs difference)."""
+    a, b = load_file(expected / "model.safetensors"), load_file(actual / "model.safetensors")
+    assert a.keys() == b.keys()
+    max_diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    metrics = [[{k: v for k, v in r.items() if k not in TIMING} for r in read_results(run)["history"]]
+               for run in (expected, actual)]  # fmt: skip
+    assert metrics[0] == metrics[1]
+    assert read_results(expected)["test_accuracy"] == read_results(actual)["test_accuracy"]
+    return len(a), max_diff
+
+
+def crashed_copy(run: Path, destination: Path, last_step: int) -> Path:
+    """The folder a run crashed after ``last_step`` would leave: its checkpoints up to that step, no results."""
+    shutil.copytree(run, destination)
+    for checkpoint in complete_checkpoints(destination):
+        if int(checkpoint.name.split("_")[1]) > last_step:
+            shutil.rmtree(checkpoint)
+    (destination / "results.json").unlink()
+    (destination / "model.safetensors").unlink()
+    return destination
+
+
+@pytest.fixture(scope="module", params=["no", "bf16"])
+def uninterrupted(request, tiny_dataset, cli_env, tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(f"straight_{request.param}") / "run"
+    proc = run_cli(run_args(tiny_dataset, out, request.param), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    return request.param, out
+
+
+@pytest.mark.parametrize(("cut", "where"), [(18, "end of epoch 2"), (20, "2 batches into epoch 3")])
+def test_resume_from_a_checkpoint_is_bitwise_exact(uninterrupted, tiny_dataset, cli_env, tmp_path, cut, where):
+    precision, straight = uninterrupted
+    resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
+    assert complete_checkpoints(resumed)[-1].name == f"step_{cut:08d}"
+
+    proc = run_cli([*run_args(tiny_dataset, resumed, precision), "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"2 epochs and {cut - 18} batches done" in proc.stdout
+    tensors, max_diff = assert_same_run(straight, resumed)
+    print(f"{precision}, resumed at {where}: {tensors} tensors bitwise equal (max abs diff {max_diff})")
+
+
+@pytest.mark.parametrize(("signal_number", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
+    uninterrupted, tiny_dataset, cli_env, tmp_path, signal_number, exit_code
+):
+    precision, straight = uninterrupted
+    if precision != "no":
+        pytest.skip("the signal path is the same for every precision")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "cifar_accel.train", *run_args(tiny_dataset, out, precision)]
+    proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step_00000012").exists():  # well into epoch 2
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal_number)
+    stdout, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == exit_code, stderr
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(f"stopped by {signal.Signals(signal_number).name} after 1 epochs and ")
+    assert "resume with --resume_from_checkpoint latest" in line
+    assert not (out / "results.json").exists()
+    latest = complete_checkpoints(out)[-1]
+    assert latest.name in line and int(latest.name.split("_")[1]) > 12
+
+    proc = run_cli([*run_args(tiny_dataset, out, precision), "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(straight, out)
+
+
+def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_latest(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "20", "--checkpointing_steps", "2",
+                     "--early_stopping_patience", "0", "--max_eval_samples", "40")  # fmt: skip
+    resume = ["--resume_from_checkpoint", "latest"]
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(5):
+        command = [sys.executable, "-m", "cifar_accel.train", *args, *(resume if attempt else [])]
+        proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        before = {p.name for p in complete_checkpoints(out)}
+        deadline = time.monotonic() + 120
+        while not ({p.name for p in complete_checkpoints(out)} - before):  # this run's first save
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        if attempt == 4:  # the last kill lands while a checkpoint is being written
+            while not list((out / "checkpoints").glob(".partial-*")):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.0005)
+        else:
+            time.sleep(rng.uniform(0.0, 0.8))
+        proc.kill()
+        proc.wait()
+        kills += 1
+
+        latest = resolve_checkpoint("latest", out)
+        assert json.loads((latest / STATE_FILE).read_text())["global_step"] == int(latest.name.split("_")[1])
+        assert load_file(latest / "model.safetensors")
+
+    proc = run_cli([*args, *resume], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+    assert results["epochs_completed"] == 20 and [r["epoch"] for r in results["history"]] == list(range(1, 21))
+    assert not list((out / "checkpoints").glob(".partial-*"))
+    print(f"{kills} SIGKILLs (one during a save), {kills} resumes from 'latest', run finished")
+
+
+def test_pruning_keeps_the_newest_and_the_best(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3", "--checkpointing_steps", "2",
+                     "--checkpoints_total_limit", "2", "--max_eval_samples", "40")  # fmt: skip
+    assert run_cli(args, cli_env).returncode == 0
+    results = read_results(out)
+    best = f"step_{9 * results['best_epoch']:08d}"
+    names = [p.name for p in complete_checkpoints(out)]
+    assert names[-2:] == ["step_00000026", "step_00000027"]
+    assert best in names and len(names) == (2 if best in names[-2:] else 3)
+
+
+def test_corrupt_or_incomplete_checkpoints_are_refused_and_left_alone(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    (checkpoint,) = complete_checkpoints(out)
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
+
+    proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"checkpoint '{checkpoint}' cannot be loaded" in line
+    assert len(weights.read_bytes()) == 1000
+
+    (checkpoint / STATE_FILE).unlink()
+    proc = run_cli([*args, "--resume_from_checkpoint", str(checkpoint)], cli_env)
+    assert proc.returncode == 2 and "is incomplete" in proc.stderr
+
+
+def test_grad_scaler_state_survives_save_and_resume(tmp_path):
+    """Accelerate creates no scaler on a CPU, so give it a real torch.amp.GradScaler: after an overflow halves
+    the scale, the scale restored by load_checkpoint is the one saved, not a fresh 65536."""
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for poison in (True, False, False):
+        loss = model(torch.ones(1, 2)).sum()
+        accelerator.scaler.scale(loss).backward()
+        if poison:
+            model.weight.grad.fill_(float("inf"))
+        accelerator.scaler.step(optimizer)
+        accelerator.scaler.update()
+        optimizer.zero_grad()
+    assert accelerator.scaler.get_scale() == 512.0  # halved by the overflow, not yet grown back
+
+    state = TrainerState(global_step=3, config_fingerprint={"seed": 1})
+    path = save_checkpoint(accelerator, tmp_path, state, keep=1)
+    assert (path / "scaler.pt").is_file()
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    assert accelerator.scaler.get_scale() == 65536.0
+    restored = load_checkpoint(accelerator, path, {"seed": 1})
+    assert accelerator.scaler.get_scale() == 512.0
+    assert restored.global_step == 3
+    AcceleratorState._reset_state(reset_partial_state=True)
