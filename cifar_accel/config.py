@@ -205,7 +205,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     values = {}
     for key, value in data.items():
         if key not in FIELDS:
-            raise InputError(f"config file {path}: unknown key '{key}'{_suggest(str(key), FIELDS)}")
+            raise InputError(f"config file {path}: unknown key {str(key)!r}{_suggest(str(key), FIELDS)}")
         values[key] = _check_value(key, value, f"config file {path}")
     return values
 

@@ -67,6 +67,8 @@ def load_raw(dataset_name: str) -> datasets.DatasetDict:
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
     except (FileNotFoundError, ValueError) as err:
+        if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
+            raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
         raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
     if not isinstance(raw, datasets.DatasetDict) or "train" not in raw:
         raise InputError(f"dataset '{dataset_name}' has no 'train' split")

@@ -23,6 +23,11 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
+def one_line(message: object) -> str:
+    """``message`` as a single line, whatever characters it holds."""
+    return " ".join(str(message).splitlines())
+
+
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` and turn exceptions into the exit-code contract."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -32,10 +37,10 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
     except InputError as err:
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except Stopped as stop:
-        print(str(stop), file=sys.stderr)
+        print(one_line(stop), file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:
         if debug:
@@ -45,6 +50,6 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
     except Exception as err:  # noqa: BLE001 - every other fault is a run-time fault
         if debug:
             raise
-        print(f"error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"error: {type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
     return 0
