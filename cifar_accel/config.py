@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cifar_accel.errors import InputError
+from cifar_accel.errors import ArgumentParser, InputError
 
 Precision = Literal["no", "fp16", "bf16"]
 DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
@@ -112,13 +112,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        raise InputError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="cifar_accel.train",
         description="Train a CIFAR-10 classifier with Hugging Face Accelerate.",
         argument_default=argparse.SUPPRESS,

@@ -24,6 +24,7 @@ from cifar_accel.errors import InputError
 logger = logging.getLogger(__name__)
 
 IMAGE_SIZE = 32
+LABELS_FILE = "labels.json"  # a run's class names, for evaluate and predict
 LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
 
@@ -57,8 +58,8 @@ def check_dataset_path(dataset_name: str) -> None:
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
 
 
-def load_raw(dataset_name: str) -> datasets.DatasetDict:
-    """``datasets.load_dataset`` with failures turned into one actionable line."""
+def load_raw(dataset_name: str, splits: tuple[str, ...] = ("train", "test")) -> datasets.DatasetDict:
+    """``datasets.load_dataset`` with failures turned into one actionable line; ``splits`` must be present."""
     check_dataset_path(dataset_name)
     try:
         raw = datasets.load_dataset(
@@ -70,10 +71,9 @@ def load_raw(dataset_name: str) -> datasets.DatasetDict:
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
         raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
-    if not isinstance(raw, datasets.DatasetDict) or "train" not in raw:
-        raise InputError(f"dataset '{dataset_name}' has no 'train' split")
-    if "test" not in raw:
-        raise InputError(f"dataset '{dataset_name}' has no 'test' split (splits: {', '.join(raw)})")
+    for split in splits:
+        if split not in raw:
+            raise InputError(f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join(raw)})")
     return raw
 
 
@@ -95,21 +95,31 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
     return image_column, label_column
 
 
+def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
+    """Decode an image file into a (3, 32, 32) uint8 array, converting other modes and sizes.
+
+    Returns the array and, when the image had to be converted, what it was (for example 'L 64x48').
+    Training data and the images given to ``predict`` go through this same function.
+    """
+    with Image.open(source) as image:
+        image.load()
+        original = f"{image.mode} {image.width}x{image.height}"
+        converted = image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
+        if converted:
+            image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+        return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
+
+
 def _decode_batch(batch: dict, indices: list[int], image_column: str) -> dict:
-    """Decode encoded images to (3, 32, 32) uint8 arrays, converting mode and size where needed."""
+    """Decode encoded images to (3, 32, 32) uint8 arrays."""
     pixels, converted = [], []
     for index, image in zip(indices, batch[image_column], strict=True):
         try:
-            source = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
-            with Image.open(source) as pil:
-                pil.load()
-                fits = pil.mode == "RGB" and pil.size == (IMAGE_SIZE, IMAGE_SIZE)
-                if not fits:
-                    pil = pil.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
-                pixels.append(np.asarray(pil, dtype=np.uint8).transpose(2, 0, 1))
+            array, original = to_rgb32(io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"])
         except (UnidentifiedImageError, OSError) as err:
             raise InputError(f"image {index} of column '{image_column}' cannot be decoded: {err}") from None
-        converted.append(not fits)
+        pixels.append(array)
+        converted.append(original is not None)
     return {"pixels": pixels, "converted": converted}
 
 
@@ -141,6 +151,36 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
     return Split(torch.tensor(pixels), torch.tensor(decoded[label_column].to_numpy()).long())
 
 
+def class_names_of(label_feature: datasets.features.FeatureType, labels: torch.Tensor) -> list[str]:
+    """Names from a ClassLabel feature, else the label numbers 0..max."""
+    if isinstance(label_feature, datasets.ClassLabel):
+        return list(label_feature.names)
+    return [str(i) for i in range(int(labels.max()) + 1)]
+
+
+def check_labels(split_name: str, split: Split, num_classes: int) -> None:
+    bad = ((split.labels < 0) | (split.labels >= num_classes)).nonzero()
+    if len(bad):
+        index = int(bad[0])
+        raise InputError(
+            f"{split_name} label {int(split.labels[index])} at index {index} is outside 0..{num_classes - 1}; "
+            "fix the labels or --label_column_name"
+        )
+
+
+def load_split(
+    dataset_name: str, split: str, image_column: str | None, label_column: str | None, max_samples: int | None
+) -> tuple[Split, list[str]]:
+    """One split of a dataset as tensors (for evaluation), with the class names of its label column."""
+    raw = load_raw(dataset_name, splits=(split,))
+    image_column, label_column = find_columns(raw[split].features, image_column, label_column)
+    dataset = raw[split] if max_samples is None else raw[split].select(range(min(max_samples, len(raw[split]))))
+    tensors = decode_split(dataset, image_column, label_column, split)
+    class_names = class_names_of(raw[split].features[label_column], tensors.labels)
+    check_labels(split, tensors, len(class_names))
+    return tensors, class_names
+
+
 def load_data(config: TrainConfig) -> CifarData:
     """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
     raw = load_raw(config.dataset_name)
@@ -151,19 +191,9 @@ def load_data(config: TrainConfig) -> CifarData:
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 
-    label_feature = raw["train"].features[label_column]
-    if isinstance(label_feature, datasets.ClassLabel):
-        class_names = list(label_feature.names)
-    else:
-        class_names = [str(i) for i in range(int(full_train.labels.max()) + 1)]
-    for name, split in (("train", full_train), ("test", test)):
-        bad = ((split.labels < 0) | (split.labels >= len(class_names))).nonzero()
-        if len(bad):
-            index = int(bad[0])
-            raise InputError(
-                f"{name} label {int(split.labels[index])} at index {index} is outside 0..{len(class_names) - 1}; "
-                "fix the labels or --label_column_name"
-            )
+    class_names = class_names_of(raw["train"].features[label_column], full_train.labels)
+    check_labels("train", full_train, len(class_names))
+    check_labels("test", test, len(class_names))
 
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(full_train), generator=generator)

@@ -82,6 +82,21 @@ def train_one_epoch(
 
 
 @torch.no_grad()
+def predict(
+    accelerator: Accelerator, model: nn.Module, loader: DataLoader, transform: Transform
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Predicted classes, true labels and per-sample losses, gathered from all processes, each sample once."""
+    model.eval()
+    gathered = []
+    for images, labels in loader:
+        with accelerator.autocast():
+            logits = model(transform(images))
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        gathered.append(accelerator.gather_for_metrics((logits.argmax(1), labels, losses)))
+    predictions, references, losses = (torch.cat(parts) for parts in zip(*gathered, strict=True))
+    return predictions, references, losses
+
+
 def evaluate_model(
     accelerator: Accelerator,
     model: nn.Module,
@@ -90,14 +105,6 @@ def evaluate_model(
     metric: evaluate.EvaluationModule,
 ) -> dict[str, float]:
     """Loss and accuracy over ``loader``, each sample counted exactly once across processes."""
-    model.eval()
-    loss_sum, count = 0.0, 0
-    for images, labels in loader:
-        with accelerator.autocast():
-            logits = model(transform(images))
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(1), labels, losses))
-        metric.add_batch(predictions=predictions, references=references)
-        loss_sum += losses.sum().item()
-        count += len(references)
-    return {"loss": loss_sum / count, "accuracy": metric.compute()["accuracy"], "samples": count}
+    predictions, references, losses = predict(accelerator, model, loader, transform)
+    accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
+    return {"loss": losses.mean().item(), "accuracy": accuracy, "samples": len(references)}

@@ -7,8 +7,10 @@ A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoi
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 
 class InputError(Exception):
@@ -21,6 +23,13 @@ class Stopped(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{message} (see --help)")
 
 
 def one_line(message: object) -> str:

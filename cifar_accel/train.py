@@ -32,7 +32,7 @@ from cifar_accel.checkpoint import (
     save_checkpoint,
 )
 from cifar_accel.config import TrainConfig, load_config, save_config
-from cifar_accel.data import check_dataset_path, load_data, make_loader
+from cifar_accel.data import LABELS_FILE, check_dataset_path, load_data, make_loader
 from cifar_accel.engine import evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
@@ -209,6 +209,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         )
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
+        (output_dir / LABELS_FILE).write_text(json.dumps({"class_names": data.class_names}, indent=2))
     accelerator.init_trackers("tensorboard", config=tracker_config(config))
     stop = StopRequest().install()
     steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)

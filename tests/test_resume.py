@@ -153,6 +153,18 @@ def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_l
     print(f"{kills} SIGKILLs (one during a save), {kills} resumes from 'latest', run finished")
 
 
+def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    first = read_results(out)
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
+    proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 epochs and 0 batches done" in proc.stdout
+    results = read_results(out)
+    assert results["epochs_completed"] == 2 and results["history"][0] == first["history"][0]
+
+
 def test_pruning_keeps_the_newest_and_the_best(tiny_dataset, cli_env, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3", "--checkpointing_steps", "2",

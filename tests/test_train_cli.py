@@ -101,6 +101,13 @@ def test_refuses_an_output_dir_that_holds_another_run(tiny_dataset, cli_env, tmp
     assert "already holds a run" in proc.stderr and "--overwrite_output_dir" in proc.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
+    # --overwrite_output_dir replaces the earlier run but leaves files it did not create alone
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--overwrite_output_dir"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+    assert str(out.resolve()) in proc.stdout.strip().splitlines()[-1]
+
 
 def test_missing_dataset_path_is_one_line_and_exit_2(cli_env, tmp_path):
     proc = run_cli(["--dataset_name", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "out")], cli_env)

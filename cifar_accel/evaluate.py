@@ -1,0 +1,155 @@
+"""Evaluate a trained model on a dataset split: `python -m cifar_accel.evaluate --model outputs/cifar10`.
+
+Prints overall and per-class accuracy, macro F1 and a confusion matrix, and writes them as
+``metrics.json`` and ``confusion_matrix.png``. Works under ``accelerate launch`` and ``torchrun``:
+predictions are gathered so that every sample counts exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from accelerate import Accelerator
+
+from cifar_accel.data import load_split, make_loader
+from cifar_accel.engine import predict
+from cifar_accel.errors import ArgumentParser, InputError, run_cli
+from cifar_accel.inference import load_trained_model
+from cifar_accel.metrics import load_metric
+from cifar_accel.transforms import BatchTransform
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="cifar_accel.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--model", required=True, help="A run's output folder, a checkpoint folder or a .safetensors.")
+    parser.add_argument("--dataset_name", help="Hub id or local path; default: the dataset the run trained on.")
+    parser.add_argument("--split", default="test", help="Dataset split to evaluate (default: test).")
+    parser.add_argument("--image_column_name", help="Image column; default: the run's, else found by type.")
+    parser.add_argument("--label_column_name", help="Label column; default: the run's, else found by type.")
+    parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
+    parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: the launcher's, or no.")
+    parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
+    parser.add_argument("--output_dir", help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
+    return parser
+
+
+def classification_report(
+    predictions: torch.Tensor, references: torch.Tensor, class_names: list[str]
+) -> dict[str, Any]:
+    """Accuracy and macro F1 (through the shipped `evaluate` modules), per-class accuracy and the confusion matrix."""
+    num_classes = len(class_names)
+    confusion = torch.bincount(references * num_classes + predictions, minlength=num_classes**2)
+    confusion = confusion.view(num_classes, num_classes)  # rows: true class, columns: predicted class
+    totals, correct = confusion.sum(1), confusion.diag()
+    return {
+        "accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
+        "macro_f1": load_metric("f1").compute(predictions=predictions, references=references, average="macro")["f1"],
+        "samples": len(references),
+        "per_class": [
+            {"class": name, "correct": int(c), "total": int(t), "accuracy": (int(c) / int(t)) if t else None}
+            for name, c, t in zip(class_names, correct, totals, strict=True)
+        ],
+        "confusion_matrix": confusion.tolist(),
+    }
+
+
+def format_report(report: dict[str, Any], class_names: list[str]) -> str:
+    width = max(len(name) for name in class_names) + 2
+    lines = [f"{'class':<{width}}{'correct':>8}{'total':>8}{'accuracy':>10}"]
+    for row in report["per_class"]:
+        accuracy = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
+        lines.append(f"{row['class']:<{width}}{row['correct']:>8}{row['total']:>8}{accuracy:>10}")
+    lines.append(
+        f"overall accuracy {report['accuracy']:.4f} | macro F1 {report['macro_f1']:.4f} | {report['samples']} images"
+    )
+    lines.append("confusion matrix (rows: true class, columns: predicted class):")
+    lines.append(" " * width + "".join(f"{name[:6]:>7}" for name in class_names))
+    for name, row in zip(class_names, report["confusion_matrix"], strict=True):
+        lines.append(f"{name:<{width}}" + "".join(f"{count:>7}" for count in row))
+    return "\n".join(lines)
+
+
+def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matrix = torch.tensor(confusion, dtype=torch.float64)
+    fractions = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
+    fig, ax = plt.subplots(figsize=(8, 7), dpi=100)
+    image = ax.imshow(fractions.numpy(), cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(len(class_names)), class_names, rotation=45, ha="right")
+    ax.set_yticks(range(len(class_names)), class_names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    for i in range(len(class_names)):
+        for j in range(len(class_names)):
+            ax.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if fractions[i, j] > 0.5 else "black")  # fmt: skip
+    fig.colorbar(image, ax=ax, label="fraction of the true class")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    for flag in ("per_device_eval_batch_size", "max_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise InputError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
+    datasets.disable_progress_bars()
+    trained = load_trained_model(args.model)
+    run = trained.config
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
+    with accelerator.main_process_first():
+        split, class_names = load_split(
+            args.dataset_name or run.dataset_name,
+            args.split,
+            args.image_column_name or run.image_column_name,
+            args.label_column_name or run.label_column_name,
+            args.max_eval_samples,
+        )
+    if len(class_names) != len(trained.class_names):
+        raise InputError(
+            f"the model has {len(trained.class_names)} classes but the '{args.split}' split has {len(class_names)}; "
+            "evaluate on a dataset with the classes the model was trained on"
+        )
+    batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
+    model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
+    predictions, references, _ = predict(accelerator, model, loader, BatchTransform(False, run.channels_last))
+    report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
+    report.update(
+        model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,
+        mixed_precision=accelerator.mixed_precision if accelerator.native_amp else "no",
+        num_processes=accelerator.num_processes,
+    )  # fmt: skip
+    if accelerator.is_main_process:
+        output_dir = Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
+        title = f"{trained.weights.parent.name}, {args.split}: accuracy {report['accuracy']:.4f}"
+        plot_confusion_matrix(
+            report["confusion_matrix"], trained.class_names, title, output_dir / "confusion_matrix.png"
+        )
+        print(format_report(report, trained.class_names))
+        print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'confusion_matrix.png'}")
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,99 @@
+"""Classify image files: `python -m cifar_accel.predict --model outputs/cifar10 cat.png photos/`.
+
+Images of any size or mode are converted to 32x32 RGB exactly as training data is (and the
+output says so), then the top-k classes are printed as a table or as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from PIL import Image, UnidentifiedImageError
+
+from cifar_accel.data import to_rgb32
+from cifar_accel.errors import ArgumentParser, InputError, run_cli
+from cifar_accel.inference import load_trained_model
+from cifar_accel.transforms import BatchTransform
+
+IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="cifar_accel.predict", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("images", nargs="+", help="Image files, or folders whose images are all classified.")
+    parser.add_argument("--model", required=True, help="A run's output folder, a checkpoint folder or a .safetensors.")
+    parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
+    parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: no.")
+    parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
+    return parser
+
+
+def image_files(paths: Sequence[str]) -> list[Path]:
+    files = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise InputError(f"'{name}' does not exist; pass image files or folders of images")
+    if not files:
+        raise InputError(f"no image files found in {', '.join(paths)}")
+    return files
+
+
+def read_images(files: list[Path]) -> tuple[torch.Tensor, list[str | None]]:
+    """The files as one uint8 batch (N, 3, 32, 32), and for each what it was converted from, if anything."""
+    arrays, originals = [], []
+    for file in files:
+        try:
+            array, original = to_rgb32(file)
+        except (UnidentifiedImageError, OSError) as err:
+            raise InputError(f"cannot read image '{file}': {err}") from None
+        arrays.append(torch.tensor(array))
+        originals.append(original)
+    return torch.stack(arrays), originals
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    if args.top_k < 1:
+        raise InputError(f"--top_k must be >= 1, got {args.top_k}")
+    trained = load_trained_model(args.model)
+    files = image_files(args.images)
+    images, originals = read_images(files)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
+    model = accelerator.prepare(trained.model)
+    transform = BatchTransform(augment=False, channels_last=trained.config.channels_last)
+    with torch.no_grad(), accelerator.autocast():
+        probabilities = model(transform(images.to(accelerator.device))).float().softmax(1).cpu()
+    top = probabilities.topk(min(args.top_k, len(trained.class_names)), dim=1)
+
+    for file, original, scores, indices in zip(files, originals, top.values, top.indices, strict=True):
+        classes = [trained.class_names[i] for i in indices]
+        if args.format == "jsonl":
+            row = {"file": str(file), "top_k": [{"class": c, "probability": round(float(p), 6)}
+                                                for c, p in zip(classes, scores, strict=True)]}  # fmt: skip
+            if original:
+                row["converted_from"] = original
+            print(json.dumps(row))
+        else:
+            ranked = "  ".join(f"{c} {float(p):.3f}" for c, p in zip(classes, scores, strict=True))
+            note = f"  (converted from {original} to RGB 32x32)" if original else ""
+            print(f"{file}: {ranked}{note}")
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,130 @@
+"""After training: evaluate a saved model and predict on image files, through the real CLIs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+
+from cifar_accel.data import load_split
+from cifar_accel.inference import load_trained_model
+from cifar_accel.transforms import BatchTransform
+
+from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trained") / "run"
+    proc = run_cli(tiny_args(tiny_dataset, out, "--num_train_epochs", "2"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def evaluate(model: Path, env: dict, *extra: str):
+    return run_cli(["--model", str(model), *extra], env, module="cifar_accel.evaluate")
+
+
+def test_evaluating_the_final_model_reproduces_the_runs_test_accuracy(trained_run, cli_env):
+    proc = evaluate(trained_run, cli_env)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((trained_run / "eval_test" / "metrics.json").read_text())
+    assert metrics["accuracy"] == read_results(trained_run)["test_accuracy"]
+    assert metrics["samples"] == 83
+    assert sum(row["total"] for row in metrics["per_class"]) == 83
+    assert sum(map(sum, metrics["confusion_matrix"])) == 83
+    assert sum(row["correct"] for row in metrics["per_class"]) == round(metrics["accuracy"] * 83)
+    assert [row["class"] for row in metrics["per_class"]] == CLASS_NAMES
+    assert 0.0 <= metrics["macro_f1"] <= 1.0
+    assert "overall accuracy" in proc.stdout and "confusion matrix" in proc.stdout
+    with Image.open(trained_run / "eval_test" / "confusion_matrix.png") as png:
+        assert png.format == "PNG" and png.width >= 600 and png.height >= 500
+
+
+def test_evaluate_takes_a_checkpoint_or_the_weights_file_and_bf16(trained_run, cli_env, tmp_path):
+    expected = read_results(trained_run)["test_accuracy"]
+    best = trained_run / "checkpoints" / f"step_{9 * read_results(trained_run)['best_epoch']:08d}"
+    for model in (best, trained_run / "model.safetensors"):
+        proc = evaluate(model, cli_env, "--output_dir", str(tmp_path / model.name))
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((tmp_path / model.name / "metrics.json").read_text())["accuracy"] == expected
+    proc = evaluate(trained_run, cli_env, "--mixed_precision", "bf16", "--output_dir", str(tmp_path / "bf16"))
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((tmp_path / "bf16" / "metrics.json").read_text())
+    assert metrics["mixed_precision"] == "bf16" and abs(metrics["accuracy"] - expected) <= 0.05
+
+
+def test_mismatched_weights_are_one_line(trained_run, cli_env, tmp_path):
+    run = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "logs"))
+    labels = json.loads((run / "labels.json").read_text())
+    (run / "labels.json").write_text(json.dumps({"class_names": labels["class_names"][:5]}))
+    proc = evaluate(run, cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "do not fit model 'simple_cnn' with 5 classes" in line and "classifier" in line
+    proc = evaluate(tmp_path / "nowhere", cli_env)
+    assert proc.returncode == 2 and "no model weights" in proc.stderr
+
+
+def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_env, tmp_path):
+    """Files of several kinds (PNG, JPEG, grayscale, not 32x32) are written first; a dataset built from those same
+    files gives the model's answer on the dataset's copies, which predict must reproduce."""
+    images, _ = make_images(6, seed=5)
+    files = []
+    for i, image in enumerate(images):
+        kind = ["png", "jpg", "gray", "large", "png", "jpg"][i]
+        if kind == "gray":
+            image = image.convert("L")
+        if kind == "large":
+            image = image.resize((57, 41))
+        path = tmp_path / "images" / f"{i}_{kind}.{'jpg' if kind in ('jpg', 'large') else 'png'}"
+        path.parent.mkdir(exist_ok=True)
+        image.save(path)
+        files.append(path)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})
+    dataset = datasets.Dataset.from_dict({"img": [str(f) for f in files], "label": [0] * 6}, features=features)
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        dataset.to_parquet(tmp_path / "ds" / "data" / f"{split}-00000-of-00001.parquet")
+
+    split, _ = load_split(str(tmp_path / "ds"), "test", None, None, None)
+    trained = load_trained_model(trained_run)
+    with torch.no_grad():
+        expected = trained.model(BatchTransform(False, trained.config.channels_last)(split.images)).argmax(1)
+
+    proc = run_cli(["--model", str(trained_run), "--format", "jsonl", "--top_k", "2", str(tmp_path / "images")],
+                   cli_env, module="cifar_accel.predict")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [Path(r["file"]).name for r in rows] == sorted(f.name for f in files)
+    by_name = {Path(r["file"]).name: r for r in rows}
+    for file, label in zip(files, expected.tolist(), strict=True):
+        row = by_name[file.name]
+        assert row["top_k"][0]["class"] == CLASS_NAMES[label]
+        assert len(row["top_k"]) == 2 and row["top_k"][0]["probability"] >= row["top_k"][1]["probability"]
+    assert by_name["2_gray.png"]["converted_from"] == "L 32x32"
+    assert by_name["3_large.jpg"]["converted_from"] == "RGB 57x41"
+    assert "converted_from" not in by_name["0_png.png"]
+
+    table = run_cli(["--model", str(trained_run), str(files[3])], cli_env, module="cifar_accel.predict")
+    assert table.returncode == 0 and "(converted from RGB 57x41 to RGB 32x32)" in table.stdout
+
+
+def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, tmp_path):
+    """torchrun with CPU forced gives two real gloo ranks; 83 test images in batches of 50 split unevenly."""
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+    env = {**cli_env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = run_cli(["--model", str(trained_run), "--cpu", "--output_dir", str(tmp_path / "two")], env,
+                   module="cifar_accel.evaluate", launcher=torchrun)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert evaluate(trained_run, cli_env, "--output_dir", str(tmp_path / "one")).returncode == 0
+    one, two = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
+    assert two["num_processes"] == 2 and one["num_processes"] == 1
+    assert two["samples"] == one["samples"] == 83
+    assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
