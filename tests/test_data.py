@@ -33,10 +33,7 @@ def test_splits_are_uint8_tensors_with_class_names(tiny_dataset):
     assert data.class_names[0] == "airplane" and len(data.class_names) == 10
     # train and validation together are exactly the stored images, pixel for pixel
     images, labels = make_images(327, seed=0)
-    stored = sorted(
-        (bytes(torch.from_numpy(np.asarray(i)).permute(2, 0, 1).numpy()), y)
-        for i, y in zip(images, labels, strict=True)
-    )
+    stored = sorted((bytes(np.array(i).transpose(2, 0, 1)), y) for i, y in zip(images, labels, strict=True))
     split = torch.cat([data.train.images, data.val.images]), torch.cat([data.train.labels, data.val.labels])
     assert sorted((bytes(x.numpy()), int(y)) for x, y in zip(*split, strict=True)) == stored
 
