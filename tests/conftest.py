@@ -19,9 +19,9 @@ CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "
 
 
 def make_images(count: int, seed: int) -> tuple[list[Image.Image], list[int]]:
-    """Learnable 32x32 RGB images: each class has its own mean colour, plus noise."""
+    """Learnable 32x32 RGB images: each class has its own mean colour (the same in every split), plus noise."""
+    palette = np.random.default_rng(1234).integers(30, 226, size=(len(CLASS_NAMES), 3))
     rng = np.random.default_rng(seed)
-    palette = rng.integers(30, 226, size=(len(CLASS_NAMES), 3))
     labels = [i % len(CLASS_NAMES) for i in range(count)]
     images = []
     for label in labels:
