@@ -106,10 +106,7 @@ def remove_partial_checkpoints(output_dir: str | Path) -> None:
 def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int) -> Path:
     """Save the full training state; keep the newest ``keep`` checkpoints and the best one."""
     final = checkpoint_dir(output_dir) / checkpoint_name(state.global_step)
-    partial = final.with_name(PARTIAL_PREFIX + final.name)
-    if accelerator.is_main_process and partial.exists():
-        shutil.rmtree(partial)
-    accelerator.wait_for_everyone()
+    partial = final.with_name(PARTIAL_PREFIX + final.name)  # leftovers of killed runs go at start-up
     try:
         accelerator.save_state(str(partial))
         accelerator.wait_for_everyone()

@@ -39,9 +39,7 @@ def good_split(count: int = 40, seed: int = 0) -> datasets.Dataset:
 
 def corrupt_dataset(root: Path) -> Path:
     images, labels = make_images(40, 0)
-    encoded = [{"bytes": None, "path": None} for _ in images]
-    for i, image in enumerate(images):
-        encoded[i] = datasets.Image().encode_example(image)
+    encoded = [datasets.Image().encode_example(image) for image in images]
     encoded[17] = {"bytes": b"this is not an image", "path": None}
     train = datasets.Dataset.from_dict({"img": encoded, "label": labels}, features=FEATURES)
     return write_split_files(root, train, good_split(20, 1))
