@@ -31,8 +31,8 @@ _NAME = re.compile(r"^step_(\d{8,})$")
 # the data split or order, or the restored optimizer and scheduler would ignore them.
 FINGERPRINT_FIELDS = (
     "dataset_name", "image_column_name", "label_column_name", "val_ratio", "max_train_samples", "seed",
-    "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
-    "lr_scheduler_type", "lr_step_size", "lr_gamma", "augment",
+    "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "scale_lr",
+    "weight_decay", "lr_scheduler_type", "lr_step_size", "lr_gamma", "augment",
 )  # fmt: skip
 
 
@@ -55,6 +55,7 @@ class TrainerState:
     epochs_without_improvement: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     config_fingerprint: dict[str, Any] = field(default_factory=dict)
+    num_processes: int = 1  # of the run that wrote the checkpoint
 
     def record_epoch(self, record: dict[str, Any]) -> bool:
         """Close one epoch with its metrics; returns whether its validation accuracy is the best so far."""
@@ -168,6 +169,12 @@ def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: dict[str,
         raise InputError(
             f"checkpoint '{path}' was made with a different config ({'; '.join(differences)}); "
             "resume with the original settings or start a new --output_dir"
+        )
+    if state.num_processes != accelerator.num_processes and state.step_in_epoch:
+        raise InputError(
+            f"checkpoint '{path}' was saved mid-epoch by {state.num_processes} processes and cannot continue that "
+            f"epoch with {accelerator.num_processes}; resume it with {state.num_processes} processes, or resume an "
+            "epoch-end checkpoint"
         )
     try:
         accelerator.load_state(str(path))

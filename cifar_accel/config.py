@@ -67,6 +67,9 @@ class TrainConfig:
     )
     per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", ge=1)
     learning_rate: float = _field(1e-3, "Adam learning rate.", aliases=("--lr",), gt=0)
+    scale_lr: bool = _field(
+        False, "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch)."
+    )
     weight_decay: float = _field(0.0, "Adam weight decay.", ge=0)
     lr_scheduler_type: Literal["step", "cosine"] = _field(
         "step", "Epoch-wise schedule: StepLR or cosine annealing to zero.", aliases=("--scheduler",)

@@ -121,6 +121,7 @@ def epoch_record(epoch: int, train: dict, val: dict, learning_rate: float, secon
         "train_accuracy": train["accuracy"],
         "val_loss": val["loss"],
         "val_accuracy": val["accuracy"],
+        "val_samples": val["samples"],
         "learning_rate": learning_rate,
         "train_images": train["images"],
         "train_seconds": train["seconds"],
@@ -172,23 +173,26 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     set_seed(config.seed)
     with accelerator.main_process_first():
         data = load_data(config)
-    global_batch = config.per_device_train_batch_size * accelerator.num_processes
-    if len(data.train) < global_batch:
+    batch_per_step = config.per_device_train_batch_size * accelerator.num_processes
+    if len(data.train) < batch_per_step:
         raise InputError(
-            f"{len(data.train)} training images are fewer than one batch of {global_batch}; "
+            f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; "
             "lower --per_device_train_batch_size"
         )
+    global_batch = batch_per_step * config.gradient_accumulation_steps
+    scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1
+    learning_rate = config.learning_rate * scale
     logger.info(
         f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images; "
         f"batch {config.per_device_train_batch_size} per process x {accelerator.num_processes} processes x "
-        f"{config.gradient_accumulation_steps} accumulation steps = "
-        f"{global_batch * config.gradient_accumulation_steps} global"
+        f"{config.gradient_accumulation_steps} accumulation steps = {global_batch} global; learning rate "
+        f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")
     )
 
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
     scheduler = build_scheduler(config, optimizer)
     train_loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
@@ -200,13 +204,21 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     train_transform = BatchTransform(augment=config.augment, channels_last=config.channels_last)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
 
-    state = TrainerState(config_fingerprint=fingerprint)
+    state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, fingerprint)
         logger.info(
             f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "
             f"best val accuracy {state.best_val_accuracy}"
         )
+        if state.num_processes != accelerator.num_processes:
+            logger.warning(
+                f"the checkpoint was written by {state.num_processes} processes and this run has "
+                f"{accelerator.num_processes}: the global batch becomes {global_batch}, so steps per epoch and the "
+                "data order change and the result will differ from an uninterrupted run; the learning rate and its "
+                "schedule continue from the checkpoint"
+            )
+            state.num_processes = accelerator.num_processes
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
         (output_dir / LABELS_FILE).write_text(json.dumps({"class_names": data.class_names}, indent=2))
@@ -229,7 +241,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
             logger.info(f"early stopping: no better validation accuracy for {config.early_stopping_patience} epochs")
             break
         epoch_start = time.perf_counter()
-        learning_rate = scheduler.get_last_lr()[0]
+        epoch_lr = scheduler.get_last_lr()[0]
         train_loader.set_epoch(epoch)
         loader = (
             accelerator.skip_first_batches(train_loader, state.step_in_epoch) if state.step_in_epoch else train_loader
@@ -259,7 +271,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         train_stats["seconds"] += seconds_before
         val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
         scheduler.step()
-        record = epoch_record(epoch + 1, train_stats, val_stats, learning_rate, time.perf_counter() - epoch_start)
+        record = epoch_record(epoch + 1, train_stats, val_stats, epoch_lr, time.perf_counter() - epoch_start)
         state.record_epoch(record)
         log_epoch(accelerator, record)
         checkpoint = save(state)
@@ -290,6 +302,8 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         / sum(r["train_seconds"] for r in state.history),
         "seconds_per_epoch": sum(r["epoch_seconds"] for r in state.history) / len(state.history),
         "num_processes": accelerator.num_processes,
+        "global_batch_size": global_batch,
+        "learning_rate": learning_rate,
         "device": str(accelerator.device),
         "train_samples": len(data.train),
         "val_samples": len(data.val),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,11 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import load_file
+
+from cifar_accel.checkpoint import complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
@@ -92,3 +97,31 @@ def tiny_args(dataset: Path, output_dir: Path, *extra: str) -> list[str]:
 
 def read_results(output_dir: Path) -> dict:
     return json.loads((output_dir / "results.json").read_text())
+
+
+TIMING = {"train_seconds", "train_images_per_second", "epoch_seconds"}
+
+
+def assert_same_run(expected: Path, actual: Path) -> tuple[int, float]:
+    """Bitwise-equal final weights and equal logged metrics; returns (tensors compared, max abs difference)."""
+    a, b = load_file(expected / "model.safetensors"), load_file(actual / "model.safetensors")
+    assert a.keys() == b.keys()
+    max_diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    metrics = [[{k: v for k, v in r.items() if k not in TIMING} for r in read_results(run)["history"]]
+               for run in (expected, actual)]  # fmt: skip
+    assert metrics[0] == metrics[1]
+    assert read_results(expected)["test_accuracy"] == read_results(actual)["test_accuracy"]
+    return len(a), max_diff
+
+
+def crashed_copy(run: Path, destination: Path, last_step: int) -> Path:
+    """The folder a run crashed after ``last_step`` would leave: its checkpoints up to that step, no results."""
+    shutil.copytree(run, destination)
+    for checkpoint in complete_checkpoints(destination):
+        if int(checkpoint.name.split("_")[1]) > last_step:
+            shutil.rmtree(checkpoint)
+    (destination / "results.json").unlink()
+    (destination / "model.safetensors").unlink()
+    return destination

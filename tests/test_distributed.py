@@ -1,18 +1,96 @@
-"""Several processes: unconnected ones are refused with the launch line that works."""
+"""Two real ranks on CPU (torchrun, gloo): identical weights, every sample counted once, resume across counts."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_cli, tiny_args
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_same_run, crashed_copy, read_results, run_cli, tiny_args
+
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+
+
+def two_rank_env(cli_env: dict[str, str], **extra: str) -> dict[str, str]:
+    return {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+def run_args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    """Two epochs; 294 training images make 4 steps per epoch with 2 ranks of 32; a checkpoint every 2 steps."""
+    return tiny_args(
+        dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "2", "--checkpoints_total_limit", "100",
+        *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+    """A 2-rank run in which each rank saves its weights after the first epoch's validation (rank<N>.safetensors)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    command = [*TORCHRUN, str(REPO / "tests" / "rank_weights.py"), "--cpu", *run_args(tiny_dataset, root / "run")]
+    env = two_rank_env(cli_env, RANK_WEIGHTS_DIR=str(root))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "batch 32 per process x 2 processes x 1 accumulation steps = 64 global" in proc.stdout
+    return root
+
+
+def test_both_ranks_hold_bitwise_identical_weights_after_an_epoch(two_ranks):
+    rank0, rank1 = (load_file(two_ranks / f"rank{i}.safetensors") for i in range(2))
+    assert rank0.keys() == rank1.keys() and len(rank0) == 20
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    saved = load_file(two_ranks / "run" / "checkpoints" / "step_00000004" / "model.safetensors")  # epoch 1's end
+    assert all(torch.equal(rank0[name], saved[name]) for name in rank0)
+
+
+def test_every_evaluation_sample_counts_once_and_only_rank_0_writes(two_ranks):
+    results = read_results(two_ranks / "run")
+    assert results["num_processes"] == 2 and results["global_batch_size"] == 64
+    assert [r["val_samples"] for r in results["history"]] == [33, 33]  # 33 = 2 x 17 - 1: the last batch is uneven
+    assert results["test_samples"] == 83
+    assert [r["train_images"] for r in results["history"]] == [256, 256]  # 4 steps x 64
+    event_files = list((two_ranks / "run" / "logs").rglob("events.out.tfevents.*"))
+    assert event_files and len({f.name.split(".")[-2] for f in event_files}) == 1  # ...<host>.<pid>.<n>
+
+
+def test_a_two_rank_checkpoint_resumes_exactly_with_two_ranks(two_ranks, tiny_dataset, cli_env, tmp_path):
+    resumed = crashed_copy(two_ranks / "run", tmp_path / "resumed", last_step=6)  # 2 batches into epoch 2
+    args = ["--cpu", *run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"]
+    proc = run_cli(args, two_rank_env(cli_env), launcher=TORCHRUN)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 epochs and 2 batches done" in proc.stdout
+    tensors, max_diff = assert_same_run(two_ranks / "run", resumed)
+    print(f"2-rank run resumed with 2 ranks mid-epoch: {tensors} tensors bitwise equal (max abs diff {max_diff})")
+
+
+def test_a_two_rank_checkpoint_resumes_with_one_process_at_an_epoch_end(two_ranks, tiny_dataset, cli_env, tmp_path):
+    resumed = crashed_copy(two_ranks / "run", tmp_path / "resumed", last_step=4)  # the end of epoch 1
+    proc = run_cli([*run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "written by 2 processes and this run has 1: the global batch becomes 32" in proc.stdout
+    results, before = read_results(resumed), read_results(two_ranks / "run")
+    assert results["num_processes"] == 1 and results["epochs_completed"] == 2
+    assert results["history"][0] == before["history"][0]  # epoch 1 as the two ranks trained it
+    assert results["history"][1]["train_images"] == 288  # 9 steps of 32 on one process
+
+
+def test_a_mid_epoch_checkpoint_refuses_another_process_count(two_ranks, tiny_dataset, cli_env, tmp_path):
+    resumed = crashed_copy(two_ranks / "run", tmp_path / "resumed", last_step=6)
+    proc = run_cli([*run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "was saved mid-epoch by 2 processes and cannot continue that epoch with 1" in line
+    assert not (resumed / "results.json").exists()
 
 
 def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tmp_path):
     """torchrun without --cpu on a machine without GPUs starts two ranks that Accelerate does not join."""
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
-    env = {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run"), env, launcher=torchrun)
+    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run"), two_rank_env(cli_env), launcher=TORCHRUN)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2  # one line from each rank

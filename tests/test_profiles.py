@@ -17,6 +17,7 @@ EXPECTED = {
     "single_gpu_fp16": ("fp16", False, "NO"),
     "single_gpu_bf16": ("bf16", False, "NO"),
     "multi_gpu_fp16": ("fp16", False, "MULTI_GPU"),
+    "multi_node": ("fp16", False, "MULTI_GPU"),
 }
 
 
@@ -33,6 +34,15 @@ def test_profile_loads_with_accelerates_config_loader(profile: Path):
         assert config.mixed_precision == precision
         assert config.use_cpu == use_cpu
         assert str(config.distributed_type).endswith(distributed)
+
+
+def test_multi_node_template_names_what_each_machine_must_set():
+    config = load_config_from_file(str(REPO / "accelerate_configs" / "multi_node.yaml"))
+    assert (config.num_machines, config.machine_rank, config.main_process_port) == (2, 0, 29500)
+    assert config.main_process_ip and config.rdzv_backend in ("static", "c10d")
+    lines = (REPO / "accelerate_configs" / "multi_node.yaml").read_text().splitlines()
+    settings = {line.split(":")[0]: line for line in lines if not line.startswith("#")}
+    assert "CHANGE" in settings["machine_rank"] and "CHANGE" in settings["main_process_ip"]
 
 
 @pytest.mark.parametrize("profile", ["cpu", "cpu_bf16"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +25,7 @@ from cifar_accel.checkpoint import (
     save_checkpoint,
 )
 
-from conftest import read_results, run_cli, tiny_args
-
-TIMING = {"train_seconds", "train_images_per_second", "epoch_seconds"}
+from conftest import assert_same_run, crashed_copy, read_results, run_cli, tiny_args
 
 
 def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]:
@@ -37,31 +34,6 @@ def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]
         dataset, out, "--num_train_epochs", "3", "--mixed_precision", precision, "--checkpointing_steps", "4",
         "--checkpoints_total_limit", "100", "--max_eval_samples", "40", *extra,
     )  # fmt: skip
-
-
-def assert_same_run(expected: Path, actual: Path) -> tuple[int, float]:
-    """Bitwise-equal final weights and equal logged metrics; returns (tensors compared, max abs difference)."""
-    a, b = load_file(expected / "model.safetensors"), load_file(actual / "model.safetensors")
-    assert a.keys() == b.keys()
-    max_diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    metrics = [[{k: v for k, v in r.items() if k not in TIMING} for r in read_results(run)["history"]]
-               for run in (expected, actual)]  # fmt: skip
-    assert metrics[0] == metrics[1]
-    assert read_results(expected)["test_accuracy"] == read_results(actual)["test_accuracy"]
-    return len(a), max_diff
-
-
-def crashed_copy(run: Path, destination: Path, last_step: int) -> Path:
-    """The folder a run crashed after ``last_step`` would leave: its checkpoints up to that step, no results."""
-    shutil.copytree(run, destination)
-    for checkpoint in complete_checkpoints(destination):
-        if int(checkpoint.name.split("_")[1]) > last_step:
-            shutil.rmtree(checkpoint)
-    (destination / "results.json").unlink()
-    (destination / "model.safetensors").unlink()
-    return destination
 
 
 @pytest.fixture(scope="module", params=["no", "bf16"])
