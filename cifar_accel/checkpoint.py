@@ -21,7 +21,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.errors import InputError
+from cifar_accel.errors import InputError, RunFault
 
 STATE_FILE = "trainer_state.json"
 PARTIAL_PREFIX = ".partial-"
@@ -36,7 +36,7 @@ FINGERPRINT_FIELDS = (
 )  # fmt: skip
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(RunFault):
     """A checkpoint could not be written (for example, the disk is full); earlier ones are untouched."""
 
 
@@ -56,6 +56,8 @@ class TrainerState:
     history: list[dict[str, Any]] = field(default_factory=list)
     config_fingerprint: dict[str, Any] = field(default_factory=dict)
     num_processes: int = 1  # of the run that wrote the checkpoint
+    skipped_steps: int = 0  # optimizer steps the GradScaler skipped (fp16)
+    skipped_steps_in_a_row: int = 0
 
     def record_epoch(self, record: dict[str, Any]) -> bool:
         """Close one epoch with its metrics; returns whether its validation accuracy is the best so far."""

@@ -95,6 +95,10 @@ class TrainConfig:
     channels_last: bool = _field(True, "Run convolutions in channels_last memory format (faster on CPU and GPU).")
     cpu: bool = _field(False, "Train on the CPU even when a GPU is present.")
 
+    max_consecutive_skipped_steps: int = _field(
+        25, "fp16: stop when the GradScaler skips more than this many optimizer steps in a row.", ge=1
+    )
+
     # Outputs
     output_dir: str = _field("outputs/cifar10", "Where checkpoints, logs, model.safetensors and results.json go.")
     overwrite_output_dir: bool = _field(False, "Allow writing into a folder that already holds another run's results.")
@@ -106,6 +110,9 @@ class TrainConfig:
         pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
     )  # fmt: skip
     checkpoints_total_limit: int = _field(2, "Keep the newest N checkpoints, plus the best one.", ge=1)
+    logging_steps: int = _field(
+        100, "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.", ge=1
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -26,22 +27,26 @@ def training_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     max_grad_norm: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward/backward/update; returns the (detached) loss and outputs.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward/backward/update; returns the (detached) loss and outputs, and on steps that update the
+    weights the total gradient norm before clipping (else None).
 
-    Autocast covers the forward pass and the loss, not the update. Accelerate
-    scales the loss for fp16 in ``backward`` and unscales the gradients in
-    ``clip_grad_norm_`` before clipping; call this inside ``accelerator.accumulate``.
+    Autocast covers the forward pass and the loss, not the update. Accelerate scales the loss for fp16 in
+    ``backward`` and unscales the gradients in ``clip_grad_norm_`` before measuring and clipping them (with no
+    ``max_grad_norm`` the norm is only measured); call this inside ``accelerator.accumulate``.
     """
     with accelerator.autocast():
         outputs = model(inputs)
         loss = loss_fn(outputs, targets)
     accelerator.backward(loss)
-    if max_grad_norm is not None and accelerator.sync_gradients:
-        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = None
+    if accelerator.sync_gradients:
+        grad_norm = accelerator.clip_grad_norm_(
+            model.parameters(), math.inf if max_grad_norm is None else max_grad_norm
+        )
     optimizer.step()
     optimizer.zero_grad()
-    return loss.detach(), outputs.detach()
+    return loss.detach(), outputs.detach(), grad_norm
 
 
 def train_one_epoch(
@@ -52,13 +57,13 @@ def train_one_epoch(
     transform: Transform,
     max_grad_norm: float | None = None,
     totals: torch.Tensor | None = None,
-    after_step: Callable[[torch.Tensor], None] | None = None,
+    after_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
     description: str = "train",
 ) -> dict[str, float]:
     """Train over ``loader`` once; loss, accuracy and images summed over all processes, and this call's seconds.
 
     ``totals`` (loss sum, correct, images on this process) carries the first part of an epoch that was resumed
-    mid-way; ``after_step(totals)`` runs after every batch (checkpointing, stop requests).
+    mid-way; ``after_step(totals, loss, grad_norm)`` runs after every batch (telemetry, checks, checkpoints).
     """
     model.train()
     totals = torch.zeros(3, device=accelerator.device) if totals is None else totals
@@ -68,14 +73,14 @@ def train_one_epoch(
     )
     for images, labels in progress:
         with accelerator.accumulate(model):
-            loss, logits = training_step(
+            loss, logits, grad_norm = training_step(
                 accelerator, model, optimizer, F.cross_entropy, transform(images), labels, max_grad_norm
             )
         totals[0] += loss.float() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
         if after_step is not None:
-            after_step(totals)
+            after_step(totals, loss, grad_norm)
     seconds = time.perf_counter() - start
     loss_sum, correct, seen = accelerator.reduce(totals.clone(), reduction="sum").tolist()
     return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}

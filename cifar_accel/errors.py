@@ -25,6 +25,10 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
+class RunFault(Exception):
+    """A fault during the run whose message already says what happened and what to do (exit code 1)."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage."""
 
@@ -48,6 +52,11 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
             raise
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
+    except RunFault as err:
+        if debug:
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
     except Stopped as stop:
         print(one_line(stop), file=sys.stderr)
         return stop.exit_code

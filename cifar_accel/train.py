@@ -17,6 +17,7 @@ import accelerate
 import datasets
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
@@ -37,6 +38,7 @@ from cifar_accel.engine import evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
+from cifar_accel.precision import check_step, effective_precision, log_precision_report, peak_memory, precision_report
 from cifar_accel.stopping import StopRequest
 from cifar_accel.transforms import BatchTransform
 
@@ -71,25 +73,6 @@ def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> to
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
 
 
-def describe_precision(accelerator: Accelerator, requested: str, source: str) -> str:
-    """Log the precision in effect and return it ('no' when Accelerate falls back to fp32)."""
-    effective = accelerator.mixed_precision if accelerator.native_amp else "no"
-    if effective != requested:
-        logger.warning(
-            f"mixed precision '{requested}' is not available on {accelerator.device.type}: "
-            "training runs in fp32 and is recorded as 'no' (use bf16 on a CPU)"
-        )
-    dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(effective, "none (fp32)")
-    scaler = (
-        f"GradScaler with initial scale {accelerator.scaler.get_scale():g}" if accelerator.scaler else "no GradScaler"
-    )
-    logger.info(
-        f"mixed precision in effect: {effective} (requested '{requested}' by {source}); "
-        f"device {accelerator.device}; autocast dtype {dtype}; {scaler}"
-    )
-    return effective
-
-
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
     """The config as TensorBoard hyperparameters (which cannot hold None)."""
     return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
@@ -114,7 +97,40 @@ def build_accelerator(config: TrainConfig, output_dir: Path) -> Accelerator:
     return accelerator
 
 
-def epoch_record(epoch: int, train: dict, val: dict, learning_rate: float, seconds: float) -> dict[str, Any]:
+def loss_scale(accelerator: Accelerator) -> float | None:
+    return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+
+
+def log_step(
+    accelerator: Accelerator, state: TrainerState, loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float
+) -> None:
+    """Step telemetry (x axis: optimizer steps): this process's batch loss, the gradient norm before clipping,
+    the learning rate, and where they apply, the loss scale, skipped steps and peak GPU memory."""
+    values = {
+        "step/loss": loss.item(),
+        "step/grad_norm": grad_norm.item(),
+        "step/learning_rate": learning_rate,
+    }
+    if accelerator.scaler is not None:
+        values["step/loss_scale"] = loss_scale(accelerator)
+        values["step/skipped_steps"] = state.skipped_steps
+    if accelerator.device.type == "cuda":
+        values["step/peak_memory_mib"] = peak_memory(accelerator.device)[0]
+    accelerator.log(values, step=state.global_step)
+    logger.info(
+        f"step {state.global_step}: " + ", ".join(f"{k.removeprefix('step/')} {v:.4g}" for k, v in values.items())
+    )
+
+
+def epoch_record(
+    epoch: int,
+    train: dict,
+    val: dict,
+    learning_rate: float,
+    seconds: float,
+    accelerator: Accelerator,
+    state: TrainerState,
+) -> dict[str, Any]:
     return {
         "epoch": epoch,
         "train_loss": train["loss"],
@@ -127,6 +143,8 @@ def epoch_record(epoch: int, train: dict, val: dict, learning_rate: float, secon
         "train_seconds": train["seconds"],
         "train_images_per_second": train["images"] / train["seconds"],
         "epoch_seconds": seconds,
+        "skipped_steps": state.skipped_steps,
+        "loss_scale": loss_scale(accelerator),
     }
 
 
@@ -164,7 +182,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     accelerator.wait_for_everyone()
 
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    mixed_precision = describe_precision(accelerator, config.mixed_precision, precision_source)
+    mixed_precision = effective_precision(accelerator)
     fingerprint = config_fingerprint(config, mixed_precision)
     resume_path = (
         resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
@@ -203,6 +221,14 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     metric = load_metric("accuracy")
     train_transform = BatchTransform(augment=config.augment, channels_last=config.channels_last)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
+    probe_images, probe_labels = (
+        t[: config.per_device_train_batch_size].to(accelerator.device) for t in (data.val.images, data.val.labels)
+    )
+    report = precision_report(
+        accelerator, model, F.cross_entropy, eval_transform(probe_images), probe_labels, config.mixed_precision,
+        precision_source,
+    )  # fmt: skip
+    log_precision_report(report)
 
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
@@ -251,11 +277,20 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
             totals += torch.tensor(state.epoch_totals, device=accelerator.device)
         seconds_before = state.epoch_train_seconds
 
-        def after_step(totals: torch.Tensor, epoch_start: float = epoch_start, seconds_before: float = seconds_before):
+        def after_step(
+            totals: torch.Tensor,
+            loss: torch.Tensor,
+            grad_norm: torch.Tensor | None,
+            epoch_start: float = epoch_start,
+            seconds_before: float = seconds_before,
+        ):
             state.step_in_epoch += 1
-            if not accelerator.sync_gradients:
+            if not accelerator.sync_gradients:  # clipping, checks and telemetry happen on optimizer steps
                 return
             state.global_step += 1
+            check_step(accelerator, state, loss, grad_norm, config.max_consecutive_skipped_steps, output_dir)
+            if state.global_step % config.logging_steps == 0:
+                log_step(accelerator, state, loss, grad_norm, optimizer.param_groups[0]["lr"])
             stopping = stop.requested(accelerator)
             if stopping or (steps_between_saves and state.global_step % steps_between_saves == 0):
                 state.epoch_totals = accelerator.reduce(totals.clone(), reduction="sum").tolist()
@@ -271,7 +306,9 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         train_stats["seconds"] += seconds_before
         val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
         scheduler.step()
-        record = epoch_record(epoch + 1, train_stats, val_stats, epoch_lr, time.perf_counter() - epoch_start)
+        record = epoch_record(
+            epoch + 1, train_stats, val_stats, epoch_lr, time.perf_counter() - epoch_start, accelerator, state
+        )
         state.record_epoch(record)
         log_epoch(accelerator, record)
         checkpoint = save(state)
@@ -287,6 +324,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
     accelerator.save_model(model, output_dir)
 
+    memory, memory_measure = peak_memory(accelerator.device)
     results = {
         "best_val_accuracy": state.best_val_accuracy,
         "best_epoch": state.best_epoch,
@@ -301,6 +339,10 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         "train_images_per_second": sum(r["train_images"] for r in state.history)
         / sum(r["train_seconds"] for r in state.history),
         "seconds_per_epoch": sum(r["epoch_seconds"] for r in state.history) / len(state.history),
+        "skipped_steps": state.skipped_steps,
+        "peak_memory_mib": memory,
+        "peak_memory_measure": memory_measure,
+        "precision_report": report,
         "num_processes": accelerator.num_processes,
         "global_batch_size": global_batch,
         "learning_rate": learning_rate,

@@ -31,10 +31,11 @@ def test_the_chapters_cpu_check_loss_16_weight_2_6():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    loss, _ = training_step(
+    loss, _, grad_norm = training_step(
         accelerator, model, optimizer, nn.functional.mse_loss, torch.tensor([[2.0]]), torch.tensor([[6.0]])
     )
     assert loss.item() == pytest.approx(16.0)
+    assert grad_norm.item() == pytest.approx(16.0)  # measured, not clipped
     assert model.weight.item() == pytest.approx(2.6)
     assert model.weight.grad is None or model.weight.grad.abs().sum() == 0
 
@@ -46,7 +47,7 @@ def test_max_grad_norm_clips_the_update():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    training_step(
+    _, _, grad_norm = training_step(
         accelerator,
         model,
         optimizer,
@@ -56,3 +57,4 @@ def test_max_grad_norm_clips_the_update():
         max_grad_norm=1.0,
     )
     assert model.weight.item() == pytest.approx(2.0, abs=1e-5)
+    assert grad_norm.item() == pytest.approx(16.0)  # the norm before clipping
