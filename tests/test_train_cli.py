@@ -30,7 +30,7 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert results["train_images_per_second"] > 0
     assert 0.0 <= results["test_accuracy"] <= 1.0
     assert results["best_val_accuracy"] == results["history"][0]["val_accuracy"]
-    assert f"mixed precision in effect: {precision}" in proc.stdout
+    assert f"in effect '{precision}' on cpu" in proc.stdout and "dtypes of one batch: conv_output " in proc.stdout
 
     weights = load_file(out / "model.safetensors")
     assert weights["classifier.weight"].shape == (10, 128)
