@@ -1,0 +1,304 @@
+"""Compare precisions: train one config under each precision this machine supports, then write a report.
+
+    python -m cifar_accel.compare --dataset_name ../shared/data/cifar10-jpeg --num_train_epochs 5
+
+Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
+``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
+an interrupted one is resumed. The report is ``report.md`` (table and plots), ``report.json`` (the same numbers)
+and PNG plots (with the ``plots`` extra): validation accuracy and training loss per epoch, epoch time and peak
+memory, and for fp16 the loss scale.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.config import TrainConfig, load_config
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
+from cifar_accel.plots import MISSING, pyplot
+
+logger = logging.getLogger("cifar_accel.compare")
+
+PRECISIONS = ("no", "fp16", "bf16")
+# Fields that say where a run goes and how it starts, not what it computes.
+RUN_PLUMBING = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="cifar_accel.compare",
+        description=__doc__.splitlines()[0],
+        epilog="All other flags are passed to cifar_accel.train (see its --help).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                        help="Precisions to compare (default: all; those this machine lacks are skipped).")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="One run per seed (default: 42).")
+    parser.add_argument("--output_dir", default="outputs/compare", help="Runs and the report go here.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
+    return parser
+
+
+def unsupported(precision: str) -> str | None:
+    """Why this machine cannot run ``precision`` for real, or None."""
+    if precision == "fp16" and not torch.cuda.is_available():
+        return "needs a CUDA GPU: Accelerate autocasts fp16 only on GPUs, on a CPU the run would be fp32"
+    if precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    return None
+
+
+def hardware() -> dict[str, Any]:
+    """What the runs ran on."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+        info["cpu_native_bf16"] = bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def same_config(run_dir: Path, config: TrainConfig) -> bool:
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.exists():
+        return False
+    saved = yaml.safe_load(saved_file.read_text())
+    wanted = config.to_dict()
+    return all(saved.get(key) == value for key, value in wanted.items() if key not in RUN_PLUMBING)
+
+
+def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -> dict[str, Any]:
+    """The results of one finished run: reused when present, else trained (or resumed) in a subprocess."""
+    argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
+    config, _ = load_config(argv)
+    if (run_dir / "results.json").exists() and same_config(run_dir, config):
+        logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
+        return json.loads((run_dir / "results.json").read_text())
+    if complete_checkpoints(run_dir):
+        argv += ["--resume_from_checkpoint", "latest"]  # finishes, extends, or refuses a different config
+    command = [sys.executable, "-m", "cifar_accel.train", *argv]
+    logger.info(f"{run_dir.name}: {shlex.join(command)}")
+    proc = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        reason = lines[-1].removeprefix("error: ") if lines else f"exit code {proc.returncode}"
+        error = InputError if proc.returncode == 2 else RunFault
+        raise error(f"the {precision} run (seed {seed}) in {run_dir} failed: {one_line(reason)}")
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
+    """(optimizer step, loss scale) as logged to TensorBoard; empty without a GradScaler."""
+    events = EventAccumulator(str(run_dir / "logs" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    if "step/loss_scale" not in events.Tags()["scalars"]:
+        return []
+    return [(event.step, event.value) for event in events.Scalars("step/loss_scale")]
+
+
+def mean_and_spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
+
+
+def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    """One precision's numbers over its seeds."""
+    results = [r for _, r in runs.values()]
+    epochs = min(len(r["history"]) for r in results)
+
+    def per_epoch(key: str) -> list[float]:
+        return [statistics.fmean(r["history"][i][key] for r in results) for i in range(epochs)]
+
+    def over_seeds(key: str) -> dict[str, float]:
+        return mean_and_spread([float(r[key]) for r in results])
+
+    return {
+        "precision": precision,
+        "seeds": sorted(runs),
+        "runs": {str(seed): str(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
+        "epochs": epochs,
+        "seconds_per_epoch": over_seeds("seconds_per_epoch"),
+        "train_images_per_second": over_seeds("train_images_per_second"),
+        "peak_memory_mib": over_seeds("peak_memory_mib"),
+        "peak_memory_measure": results[0]["peak_memory_measure"],
+        "best_val_accuracy": over_seeds("best_val_accuracy"),
+        "test_accuracy": over_seeds("test_accuracy"),
+        "skipped_steps": over_seeds("skipped_steps"),
+        "val_accuracy_per_epoch": per_epoch("val_accuracy"),
+        "train_loss_per_epoch": per_epoch("train_loss"),
+        "epoch_seconds_per_epoch": per_epoch("epoch_seconds"),
+        "loss_scale_trace": {str(seed): loss_scale_trace(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
+        "dtypes": results[0]["precision_report"]["dtypes"],
+        "device": results[0]["device"],
+    }
+
+
+def add_ratios(summaries: list[dict[str, Any]]) -> None:
+    """Speed-up, memory ratio and accuracy difference of each precision against 'no' (when 'no' ran)."""
+    base = next((s for s in summaries if s["precision"] == "no"), None)
+    for summary in summaries:
+        if base is None:
+            summary["vs_no"] = None
+            continue
+        summary["vs_no"] = {
+            "speedup": base["seconds_per_epoch"]["mean"] / summary["seconds_per_epoch"]["mean"],
+            "memory_ratio": summary["peak_memory_mib"]["mean"] / base["peak_memory_mib"]["mean"],
+            "test_accuracy_points": 100 * (summary["test_accuracy"]["mean"] - base["test_accuracy"]["mean"]),
+        }
+
+
+def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
+    """The report's PNGs; returns their file names (none without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        logger.warning(MISSING)
+        return []
+    written = []
+    fig, (acc, loss) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    for s in summaries:
+        epochs = range(1, s["epochs"] + 1)
+        acc.plot(epochs, s["val_accuracy_per_epoch"], marker="o", label=s["precision"])
+        loss.plot(epochs, s["train_loss_per_epoch"], marker="o", label=s["precision"])
+    acc.set(title="validation accuracy", xlabel="epoch", ylabel="accuracy")
+    loss.set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
+    for ax in (acc, loss):
+        ax.grid(alpha=0.3)
+        ax.legend(title="precision")
+    fig.tight_layout()
+    fig.savefig(output_dir / "curves.png")
+    written.append("curves.png")
+
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    names = [s["precision"] for s in summaries]
+    time_ax.bar(names, [s["seconds_per_epoch"]["mean"] for s in summaries],
+                yerr=[s["seconds_per_epoch"]["std"] for s in summaries], color="tab:blue")  # fmt: skip
+    memory_ax.bar(names, [s["peak_memory_mib"]["mean"] for s in summaries], color="tab:orange")
+    time_ax.set(title="seconds per epoch (lower is faster)", ylabel="s")
+    memory_ax.set(title=f"peak memory ({summaries[0]['peak_memory_measure']})", ylabel="MiB")
+    memory_ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(output_dir / "cost.png")
+    written.append("cost.png")
+
+    traces = [(s["precision"], seed, t) for s in summaries for seed, t in s["loss_scale_trace"].items() if t]
+    if traces:
+        fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+        for precision, seed, trace in traces:
+            ax.step(*zip(*trace, strict=True), where="post", label=f"{precision}, seed {seed}")
+        ax.set(title="GradScaler loss scale", xlabel="optimizer step", ylabel="scale", yscale="log")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(output_dir / "loss_scale.png")
+        written.append("loss_scale.png")
+    plt.close("all")
+    return written
+
+
+def markdown(report: dict[str, Any]) -> str:
+    def pm(stat: dict[str, float], fmt: str) -> str:
+        return format(stat["mean"], fmt) + (f" ± {format(stat['std'], fmt)}" if len(report["seeds"]) > 1 else "")
+
+    hw = report["hardware"]
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    lines = [
+        "# Mixed precision comparison",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"- Hardware: {hw.get('gpu') or hw['cpu']} ({hw['cpu_cores']} CPU cores; torch CPU capability "
+        f"{hw['torch_cpu_capability']}" + (f", native bf16: {hw['cpu_native_bf16']}" if "cpu_native_bf16" in hw else "")
+        + f"); device `{report['precisions'][0]['device']}`",
+        f"- Software: {versions}",
+        f"- Config: {report['config_summary']}; seeds {', '.join(map(str, report['seeds']))}",
+    ]  # fmt: skip
+    lines += [f"- Skipped `{name}`: {reason}" for name, reason in report["skipped"].items()]
+    lines += [
+        "",
+        "| precision | s/epoch | speed-up vs no | train img/s | peak memory MiB | vs no | best val acc | test acc "
+        "| test vs no (points) | skipped steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in report["precisions"]:
+        ratio = s["vs_no"] or {}
+        lines.append(
+            f"| {s['precision']} | {pm(s['seconds_per_epoch'], '.1f')} | {ratio.get('speedup', float('nan')):.2f}x "
+            f"| {pm(s['train_images_per_second'], '.0f')} | {pm(s['peak_memory_mib'], '.0f')} "
+            f"| {ratio.get('memory_ratio', float('nan')):.2f}x | {pm(s['best_val_accuracy'], '.4f')} "
+            f"| {pm(s['test_accuracy'], '.4f')} | {ratio.get('test_accuracy_points', float('nan')):+.2f} "
+            f"| {pm(s['skipped_steps'], '.0f')} |"
+        )
+    lines += ["", f"Peak memory is the {report['precisions'][0]['peak_memory_measure']}.", ""]
+    lines += ["Dtypes one batch produced (from each run's precision report):", ""]
+    lines += [f"- `{s['precision']}`: " + ", ".join(f"{k} {v}" for k, v in s["dtypes"].items())
+              for s in report["precisions"]]  # fmt: skip
+    lines += [""] + [f"![{name}]({name})" for name in report["plots"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> None:
+    args, train_args = build_parser().parse_known_args(argv)
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)
+    load_config(train_args)  # bad training flags stop here, before anything runs
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    skipped = {p: reason for p in args.precisions if (reason := unsupported(p))}
+    for precision, reason in skipped.items():
+        logger.info(f"skipping {precision}: {reason}")
+    precisions = [p for p in dict.fromkeys(args.precisions) if p not in skipped]
+    if not precisions:
+        raise InputError("none of the requested precisions can run here; add --precisions no")
+
+    summaries = []
+    for precision in precisions:
+        runs = {}
+        for seed in dict.fromkeys(args.seeds):
+            run_dir = output_dir / f"{precision}_seed{seed}"
+            runs[seed] = (run_dir, train_run(train_args, precision, seed, run_dir))
+        summaries.append(summarize(precision, runs))
+    add_ratios(summaries)
+
+    config, _ = load_config(train_args)
+    first = summaries[0]["runs"][str(args.seeds[0])]
+    report = {
+        "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
+        "hardware": hardware(),
+        "versions": json.loads((Path(first) / "results.json").read_text())["versions"],
+        "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
+        f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
+        "seeds": list(dict.fromkeys(args.seeds)),
+        "skipped": skipped,
+        "precisions": summaries,
+    }
+    report["plots"] = plot(summaries, output_dir)
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    (output_dir / "report.md").write_text(markdown(report))
+    print(markdown(report))
+    logger.info(f"wrote {output_dir / 'report.md'}, {output_dir / 'report.json'} and {len(report['plots'])} PNGs")
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()

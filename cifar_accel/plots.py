@@ -1,0 +1,19 @@
+"""Plots are an optional extra: ``pip install 'cifar-accel[plots]'`` brings matplotlib."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+MISSING = "matplotlib is not installed (pip install 'cifar-accel[plots]'), so no PNG was written"
+
+
+def pyplot() -> ModuleType | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
