@@ -181,6 +181,7 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
     acc.set(title="validation accuracy", xlabel="epoch", ylabel="accuracy")
     loss.set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
     for ax in (acc, loss):
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(title="precision")
     fig.tight_layout()

@@ -1,0 +1,98 @@
+"""The precision comparison: one command, runs per precision and seed, a report whose numbers are the runs'."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import read_results, run_cli, tiny_args
+
+PRECISIONS = ["no", "bf16"]
+SEEDS = [42, 7]
+
+
+def compare_args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    return tiny_args(
+        dataset, out, "--num_train_epochs", "2", "--max_train_samples", "150", "--precisions", "no", "fp16", "bf16",
+        "--seeds", *map(str, SEEDS), "--logging_steps", "2", *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compared(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("compare") / "report"
+    proc = run_cli(compare_args(tiny_dataset, out), cli_env, module="cifar_accel.compare", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout
+
+
+def test_fp16_is_skipped_on_a_cpu_with_the_reason(compared):
+    out, stdout = compared
+    report = json.loads((out / "report.json").read_text())
+    assert [s["precision"] for s in report["precisions"]] == PRECISIONS
+    assert "needs a CUDA GPU" in report["skipped"]["fp16"]
+    assert "skipping fp16: needs a CUDA GPU" in stdout
+    assert not (out / "fp16_seed42").exists()
+
+
+def test_the_report_holds_the_runs_own_numbers(compared):
+    out, _ = compared
+    report = json.loads((out / "report.json").read_text())
+    markdown = (out / "report.md").read_text()
+    for summary in report["precisions"]:
+        runs = [read_results(out / f"{summary['precision']}_seed{seed}") for seed in SEEDS]
+        for key in ("test_accuracy", "best_val_accuracy", "seconds_per_epoch", "peak_memory_mib"):
+            values = [r[key] for r in runs]
+            assert summary[key]["mean"] == pytest.approx(statistics.fmean(values))
+            assert summary[key]["std"] == pytest.approx(statistics.pstdev(values))
+        assert summary["val_accuracy_per_epoch"] == pytest.approx(
+            [statistics.fmean(r["history"][i]["val_accuracy"] for r in runs) for i in range(2)]
+        )
+        assert summary["dtypes"]["conv_output"] == {"no": "float32", "bf16": "bfloat16"}[summary["precision"]]
+        row = next(line for line in markdown.splitlines() if line.startswith(f"| {summary['precision']} |"))
+        assert f"{summary['test_accuracy']['mean']:.4f} ± {summary['test_accuracy']['std']:.4f}" in row
+        assert f"{summary['seconds_per_epoch']['mean']:.1f}" in row
+    no, bf16 = report["precisions"]
+    assert bf16["vs_no"]["speedup"] == pytest.approx(
+        no["seconds_per_epoch"]["mean"] / bf16["seconds_per_epoch"]["mean"]
+    )
+    assert report["versions"]["torch"] and report["hardware"]["cpu_cores"] == os.cpu_count()
+    assert "Skipped `fp16`" in markdown and "![curves.png](curves.png)" in markdown
+
+
+@pytest.mark.parametrize("name", ["curves.png", "cost.png"])
+def test_the_plots_are_images_of_sensible_size(compared, name):
+    out, _ = compared
+    with Image.open(out / name) as png:
+        assert png.format == "PNG" and png.width >= 800 and png.height >= 300
+    assert not (out / "loss_scale.png").exists()  # no fp16 run, no loss-scale trace
+
+
+def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tiny_dataset, cli_env):
+    out, _ = compared
+    finished = out / "bf16_seed42" / "results.json"
+    before = finished.stat().st_mtime_ns
+    unfinished = out / "no_seed7" / "results.json"
+    test_accuracy = json.loads(unfinished.read_text())["test_accuracy"]
+    unfinished.unlink()  # as if the run had been stopped after its last checkpoint
+
+    proc = run_cli(compare_args(tiny_dataset, out), cli_env, module="cifar_accel.compare")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("reusing the finished run") == 3
+    assert "--resume_from_checkpoint latest" in proc.stdout
+    assert finished.stat().st_mtime_ns == before
+    assert json.loads(unfinished.read_text())["test_accuracy"] == test_accuracy
+
+
+def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_path):
+    proc = run_cli(compare_args(tiny_dataset, tmp_path / "out", "--learning_rate", "-1"), cli_env,
+                   module="cifar_accel.compare")  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "learning_rate" in line
+    assert not any((tmp_path / "out").glob("*_seed*"))
