@@ -133,6 +133,31 @@ def check_step(
         )
 
 
+def loss_scale(accelerator: Accelerator) -> float | None:
+    return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+
+
+def log_step(
+    accelerator: Accelerator, state: TrainerState, loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float
+) -> None:
+    """Step telemetry (x axis: optimizer steps): this process's batch loss, the gradient norm before clipping,
+    the learning rate, and where they apply, the loss scale, skipped steps and peak GPU memory."""
+    values = {
+        "step/loss": loss.item(),
+        "step/grad_norm": grad_norm.item(),
+        "step/learning_rate": learning_rate,
+    }
+    if accelerator.scaler is not None:
+        values["step/loss_scale"] = loss_scale(accelerator)
+        values["step/skipped_steps"] = state.skipped_steps
+    if accelerator.device.type == "cuda":
+        values["step/peak_memory_mib"] = peak_memory(accelerator.device)[0]
+    accelerator.log(values, step=state.global_step)
+    logger.info(
+        f"step {state.global_step}: " + ", ".join(f"{k.removeprefix('step/')} {v:.4g}" for k, v in values.items())
+    )
+
+
 def _what_to_do(output_dir: Path, new_run: str) -> str:
     checkpoints = complete_checkpoints(output_dir)
     if not checkpoints:

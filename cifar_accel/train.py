@@ -38,7 +38,15 @@ from cifar_accel.engine import evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
-from cifar_accel.precision import check_step, effective_precision, log_precision_report, peak_memory, precision_report
+from cifar_accel.precision import (
+    check_step,
+    effective_precision,
+    log_precision_report,
+    log_step,
+    loss_scale,
+    peak_memory,
+    precision_report,
+)
 from cifar_accel.stopping import StopRequest
 from cifar_accel.transforms import BatchTransform
 
@@ -95,31 +103,6 @@ def build_accelerator(config: TrainConfig, output_dir: Path) -> Accelerator:
             "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
         )
     return accelerator
-
-
-def loss_scale(accelerator: Accelerator) -> float | None:
-    return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
-
-
-def log_step(
-    accelerator: Accelerator, state: TrainerState, loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float
-) -> None:
-    """Step telemetry (x axis: optimizer steps): this process's batch loss, the gradient norm before clipping,
-    the learning rate, and where they apply, the loss scale, skipped steps and peak GPU memory."""
-    values = {
-        "step/loss": loss.item(),
-        "step/grad_norm": grad_norm.item(),
-        "step/learning_rate": learning_rate,
-    }
-    if accelerator.scaler is not None:
-        values["step/loss_scale"] = loss_scale(accelerator)
-        values["step/skipped_steps"] = state.skipped_steps
-    if accelerator.device.type == "cuda":
-        values["step/peak_memory_mib"] = peak_memory(accelerator.device)[0]
-    accelerator.log(values, step=state.global_step)
-    logger.info(
-        f"step {state.global_step}: " + ", ".join(f"{k.removeprefix('step/')} {v:.4g}" for k, v in values.items())
-    )
 
 
 def epoch_record(

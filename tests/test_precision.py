@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import GradScalerKwargs
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.nn.utils import get_total_norm
@@ -37,16 +38,14 @@ def fresh_accelerator_state():
 
 def fp16_accelerator(device: str, init_scale: float) -> Accelerator:
     """Accelerate's fp16 path (autocast, loss scaling in ``backward``, unscaling in ``clip_grad_norm_``, skipped
-    steps in the optimizer) with a real GradScaler of the given scale. On a GPU this is plain
-    ``Accelerator(mixed_precision="fp16")``; Accelerate turns fp16 off on CPUs, where torch has fp16 autocast
-    and a GradScaler too, so there it is switched on before ``prepare``."""
+    steps in the optimizer) with a real GradScaler of the given scale. On a GPU this is Accelerate's own scaler;
+    Accelerate turns fp16 off on CPUs, where torch has fp16 autocast and a GradScaler too, so there it is
+    switched on before ``prepare``."""
     if device == "cuda":
-        accelerator = Accelerator(mixed_precision="fp16")
-        accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
-    else:
-        accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-        accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=init_scale)])
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     return accelerator
 
 

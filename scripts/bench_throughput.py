@@ -1,0 +1,175 @@
+"""Training images/s of three input pipelines feeding the same model and training step, per precision.
+
+    python scripts/bench_throughput.py --dataset_name ../shared/data/cifar10-jpeg
+
+(a) chapter:  the AMP chapter's pipeline: each JPEG decoded and augmented per image with PIL/torchvision
+              (RandomCrop(32, 4), RandomHorizontalFlip, ColorJitter(0.2, 0.2, 0.2, 0.1), ToTensor, Normalize)
+              in DataLoader worker processes;
+(b) ours:     the package's pipeline: images decoded once into a cached uint8 tensor, whole batches augmented
+              with torch ops (cifar_accel.transforms.BatchTransform), channels_last;
+(c) compute:  the same training step on one ready-made, normalised batch: the bound no pipeline can beat.
+
+Prints images/s and the ratios b/a and b/c, then the start-up time (process start to the first batch) of
+(a) and (b), cold (empty `datasets` cache) and warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+
+import datasets
+import torch
+import torch.nn.functional as F
+import torchvision.transforms as T
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import set_seed
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.data import load_data, load_raw, make_loader
+from cifar_accel.engine import training_step
+from cifar_accel.models import build_model
+from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD, BatchTransform
+
+CHAPTER_TRANSFORM = T.Compose([
+    T.RandomCrop(32, padding=4),
+    T.RandomHorizontalFlip(),
+    T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1),
+    T.ToTensor(),
+    T.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+])  # fmt: skip
+
+
+class ChapterDataset(torch.utils.data.Dataset):
+    """The train split decoded from its JPEG bytes and augmented one image at a time, as the chapter does."""
+
+    def __init__(self, split: datasets.Dataset) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = self.split[index]
+        return CHAPTER_TRANSFORM(row["img"].convert("RGB")), row["label"]
+
+
+def chapter_batches(dataset_name: str, batch_size: int, workers: int) -> Iterable:
+    split = load_raw(dataset_name, splits=("train",))["train"]
+    loader = torch.utils.data.DataLoader(
+        ChapterDataset(split), batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
+        persistent_workers=workers > 0,
+    )  # fmt: skip
+    return ((images.contiguous(memory_format=torch.channels_last), labels) for images, labels in repeat(loader))
+
+
+def our_batches(dataset_name: str, batch_size: int) -> Iterable:
+    data = load_data(TrainConfig(dataset_name=dataset_name))
+    transform = BatchTransform(augment=True, channels_last=True)
+    loader = make_loader(data.train, batch_size, train=True)
+    return ((transform(images), labels) for images, labels in repeat(loader))
+
+
+def compute_only_batches(batch_size: int) -> Iterable:
+    images = torch.randn(batch_size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 10, (batch_size,))
+    while True:
+        yield images, labels
+
+
+def repeat(loader: Iterable) -> Iterator:
+    while True:
+        yield from loader
+
+
+def images_per_second(batches: Iterable, precision: str, steps: int, warmup: int, compile_model: bool) -> float:
+    """Train SimpleCNN on ``batches`` (ready inputs and labels) through Accelerate; images/s after a warm-up."""
+    set_seed(0)
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    model = build_model("simple_cnn", num_classes=10).to(memory_format=torch.channels_last)
+    if compile_model:
+        model = torch.compile(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batches = iter(batches)
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        images, labels = next(batches)
+        training_step(accelerator, model, optimizer, F.cross_entropy, images, labels)
+    seconds = time.perf_counter() - start
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return steps * len(labels) / seconds
+
+
+STARTUP = """
+import sys, time
+start = time.perf_counter()
+sys.path.insert(0, {scripts!r})
+import bench_throughput as bench
+batches = bench.{pipeline}
+next(iter(batches))
+print(time.perf_counter() - start)
+"""
+
+
+def startup_seconds(pipeline: str, cache_dir: str) -> float:
+    """Seconds from a fresh interpreter to the first training batch, with ``cache_dir`` as the datasets cache."""
+    code = STARTUP.format(scripts=os.path.dirname(os.path.abspath(__file__)), pipeline=pipeline)
+    env = {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset_name", default="../shared/data/cifar10-jpeg")
+    parser.add_argument("--precisions", nargs="+", default=["no", "bf16"], choices=["no", "bf16"])
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100, help="Timed steps per measurement (after --warmup).")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the chapter pipeline.")
+    parser.add_argument("--torch_compile", action="store_true", help="Also measure with torch.compile(model).")
+    parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
+    args = parser.parse_args()
+    datasets.disable_progress_bars()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; batch {args.batch_size}; {args.steps} timed steps")  # fmt: skip
+
+    pipelines = {
+        "chapter": lambda: chapter_batches(args.dataset_name, args.batch_size, args.workers),
+        "ours": lambda: our_batches(args.dataset_name, args.batch_size),
+        "compute": lambda: compute_only_batches(args.batch_size),
+    }
+    compiled = [False, True] if args.torch_compile else [False]
+    print(f"\n{'precision':<10}{'compile':<9}{'chapter':>10}{'ours':>10}{'compute':>10}{'ours/chapter':>14}"
+          f"{'ours/compute':>14}   (images/s)")  # fmt: skip
+    for precision in args.precisions:
+        for compile_model in compiled:
+            rate = {
+                name: images_per_second(make(), precision, args.steps, args.warmup, compile_model)
+                for name, make in pipelines.items()
+            }
+            print(f"{precision:<10}{str(compile_model):<9}{rate['chapter']:>10.0f}{rate['ours']:>10.0f}"
+                  f"{rate['compute']:>10.0f}{rate['ours'] / rate['chapter']:>13.2f}x"
+                  f"{rate['ours'] / rate['compute']:>13.2f}x", flush=True)  # fmt: skip
+
+    if not args.skip_startup:
+        print("\nstart-up, fresh process to first training batch (s):")
+        for name, pipeline in (
+            ("chapter", f"chapter_batches({args.dataset_name!r}, {args.batch_size}, {args.workers})"),
+            ("ours", f"our_batches({args.dataset_name!r}, {args.batch_size})"),
+        ):
+            with tempfile.TemporaryDirectory() as cache:
+                cold, warm = startup_seconds(pipeline, cache), startup_seconds(pipeline, cache)
+            print(f"  {name:<8} cold {cold:6.1f}   warm {warm:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

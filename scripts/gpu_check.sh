@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU check in one go, for whenever a GPU is at hand (about 5 minutes on one recent GPU):
+#  1. one epoch of the default recipe on the real CIFAR-10 in no, fp16 and bf16 (python -m cifar_accel.compare):
+#     dtype report, seconds per epoch, images/s, peak GPU memory, skipped steps and the fp16 loss-scale trace
+#     (loss_scale.png), written to OUT/report.md;
+#  2. the clip-after-unscale test with Accelerate's own fp16 GradScaler (tests/test_precision.py, GPU case);
+#  3. the AMP exercises (overflow, pure fp16, scaler resume) on the GPU.
+#
+#   bash scripts/gpu_check.sh [DATA] [OUT] [extra cifar_accel.train flags...]
+#   bash scripts/gpu_check.sh ../shared/data/cifar10-jpeg outputs/gpu_check
+set -euo pipefail
+data=${1:-../shared/data/cifar10-jpeg}
+out=${2:-outputs/gpu_check}
+shift $(($# < 2 ? $# : 2))
+python=${PYTHON:-python}
+
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+else
+    echo "no nvidia-smi: this check is meant for a GPU machine; on a CPU fp16 is skipped and bf16 is slow"
+fi
+"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.is_available())"
+
+"$python" -m cifar_accel.compare --dataset_name "$data" --output_dir "$out" --num_train_epochs 1 \
+    --logging_steps 20 --precisions no fp16 bf16 "$@"
+"$python" -m pytest -q -n 0 tests/test_precision.py -k clipping -rs
+"$python" scripts/amp_exercises.py all
+echo "report: $out/report.md"
