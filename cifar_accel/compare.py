@@ -258,6 +258,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> None:
     args, train_args = build_parser().parse_known_args(argv)
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file reader narrates every file
     load_config(train_args)  # bad training flags stop here, before anything runs
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
