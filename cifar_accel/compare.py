@@ -259,7 +259,7 @@ def main(argv: Sequence[str]) -> None:
     args, train_args = build_parser().parse_known_args(argv)
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file reader narrates every file
-    load_config(train_args)  # bad training flags stop here, before anything runs
+    config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -279,7 +279,6 @@ def main(argv: Sequence[str]) -> None:
         summaries.append(summarize(precision, runs))
     add_ratios(summaries)
 
-    config, _ = load_config(train_args)
     first = summaries[0]["runs"][str(args.seeds[0])]
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),

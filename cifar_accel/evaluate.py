@@ -24,6 +24,7 @@ from cifar_accel.errors import ArgumentParser, InputError, run_cli
 from cifar_accel.inference import load_trained_model
 from cifar_accel.metrics import load_metric
 from cifar_accel.plots import MISSING, pyplot
+from cifar_accel.precision import effective_precision
 from cifar_accel.transforms import BatchTransform
 
 
@@ -133,7 +134,7 @@ def main(argv: Sequence[str]) -> None:
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,
-        mixed_precision=accelerator.mixed_precision if accelerator.native_amp else "no",
+        mixed_precision=effective_precision(accelerator),
         num_processes=accelerator.num_processes,
     )  # fmt: skip
     if accelerator.is_main_process:
