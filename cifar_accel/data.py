@@ -181,6 +181,15 @@ def load_split(
     return tensors, class_names
 
 
+def split_indices(size: int, val_ratio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the training and validation parts of a train split of ``size`` images, shuffled by ``seed``."""
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, round(size * val_ratio))
+    if num_val >= size:
+        raise InputError(f"--val_ratio {val_ratio} leaves no training images out of {size}")
+    return order[num_val:], order[:num_val]
+
+
 def load_data(config: TrainConfig) -> CifarData:
     """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
     raw = load_raw(config.dataset_name)
@@ -195,12 +204,8 @@ def load_data(config: TrainConfig) -> CifarData:
     check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
 
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(full_train), generator=generator)
-    num_val = max(1, round(len(full_train) * config.val_ratio))
-    if num_val >= len(full_train):
-        raise InputError(f"--val_ratio {config.val_ratio} leaves no training images out of {len(full_train)}")
-    train, val = full_train.subset(order[num_val:]), full_train.subset(order[:num_val])
+    train_indices, val_indices = split_indices(len(full_train), config.val_ratio, config.seed)
+    train, val = full_train.subset(train_indices), full_train.subset(val_indices)
     if config.max_eval_samples is not None:
         val = val.subset(torch.arange(min(config.max_eval_samples, len(val))))
         test = test.subset(torch.arange(min(config.max_eval_samples, len(test))))

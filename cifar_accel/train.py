@@ -9,7 +9,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
+from torch.utils.data import DataLoader
 
 from cifar_accel.checkpoint import (
     TrainerState,
@@ -33,8 +34,8 @@ from cifar_accel.checkpoint import (
     save_checkpoint,
 )
 from cifar_accel.config import TrainConfig, load_config, save_config
-from cifar_accel.data import LABELS_FILE, check_dataset_path, load_data, make_loader
-from cifar_accel.engine import evaluate_model, train_one_epoch
+from cifar_accel.data import LABELS_FILE, CifarData, check_dataset_path, load_data, make_loader
+from cifar_accel.engine import Transform, evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
@@ -51,6 +52,15 @@ from cifar_accel.stopping import StopRequest
 from cifar_accel.transforms import BatchTransform
 
 logger = get_logger(__name__)
+
+# The training input: (config, data) -> (loader of training batches, transform applied to each batch).
+TrainPipeline = Callable[[TrainConfig, CifarData], tuple[DataLoader, Transform]]
+
+
+def batch_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Transform]:
+    """Shuffled uint8 batches of the in-memory train split, augmented as whole batches on the training device."""
+    loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
+    return loader, BatchTransform(augment=config.augment, channels_last=config.channels_last)
 
 
 def prepare_output_dir(config: TrainConfig) -> Path:
@@ -151,7 +161,9 @@ def log_epoch(accelerator: Accelerator, record: dict[str, Any]) -> None:
     )
 
 
-def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
+def run_training(
+    config: TrainConfig, precision_source: str, train_pipeline: TrainPipeline = batch_pipeline
+) -> dict[str, Any]:
     check_dataset_path(config.dataset_name)
     output_dir = prepare_output_dir(config)
     accelerator = build_accelerator(config, output_dir)
@@ -195,14 +207,13 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
     scheduler = build_scheduler(config, optimizer)
-    train_loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
+    train_loader, train_transform = train_pipeline(config, data)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
     test_loader = make_loader(data.test, config.per_device_eval_batch_size, train=False)
     model, optimizer, scheduler, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, scheduler, train_loader, val_loader, test_loader
     )
     metric = load_metric("accuracy")
-    train_transform = BatchTransform(augment=config.augment, channels_last=config.channels_last)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
     probe_images, probe_labels = (
         t[: config.per_device_train_batch_size].to(accelerator.device) for t in (data.val.images, data.val.labels)
@@ -351,7 +362,7 @@ def run_training(config: TrainConfig, precision_source: str) -> dict[str, Any]:
     return results
 
 
-def main(argv: Sequence[str]) -> None:
+def main(argv: Sequence[str], train_pipeline: TrainPipeline = batch_pipeline) -> None:
     config, precision_source = load_config(argv)
     # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract.
     logging.basicConfig(
@@ -362,7 +373,7 @@ def main(argv: Sequence[str]) -> None:
     )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
     datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
-    run_training(config, precision_source)
+    run_training(config, precision_source, train_pipeline)
 
 
 def cli() -> None:

@@ -20,14 +20,14 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 def random_crop(images: torch.Tensor, padding: int = 4) -> torch.Tensor:
     """Pad with zeros, then cut a randomly placed window of the original size out of each image."""
     n, c, h, w = images.shape
-    padded = F.pad(images, (padding,) * 4)
-    dy = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
-    dx = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
-    rows = (dy + torch.arange(h, device=images.device))[:, None, :, None]
-    cols = (dx + torch.arange(w, device=images.device))[:, None, None, :]
-    batch = torch.arange(n, device=images.device)[:, None, None, None]
-    channel = torch.arange(c, device=images.device)[None, :, None, None]
-    return padded[batch, channel, rows, cols]
+    padded = F.pad(images, (padding,) * 4).flatten(2)
+    dy = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
+    dx = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
+    rows = dy + torch.arange(h, device=images.device).view(1, h, 1)
+    cols = dx + torch.arange(w, device=images.device).view(1, 1, w)
+    # One gather over the flattened padded images picks each window's pixels, every channel alike.
+    index = (rows * (w + 2 * padding) + cols).view(n, 1, h * w).expand(n, c, h * w)
+    return padded.gather(2, index).view(n, c, h, w)
 
 
 def random_horizontal_flip(images: torch.Tensor, p: float = 0.5) -> torch.Tensor:
@@ -45,29 +45,20 @@ def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> t
 
 
 def _rgb_to_hsv(images: torch.Tensor) -> torch.Tensor:
-    r, g, b = images.unbind(1)
-    maxc, _ = images.max(1)
-    minc, _ = images.min(1)
-    delta = maxc - minc
-    saturation = delta / torch.where(maxc == 0, torch.ones_like(maxc), maxc)
-    safe_delta = torch.where(delta == 0, torch.ones_like(delta), delta)
-    rc, gc, bc = (maxc - r) / safe_delta, (maxc - g) / safe_delta, (maxc - b) / safe_delta
-    hue = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2.0 + rc - bc, 4.0 + gc - rc))
-    hue = torch.where(delta == 0, torch.zeros_like(hue), hue)
-    return torch.stack(((hue / 6.0) % 1.0, saturation, maxc), 1)
+    maxc, argmax = images.max(1, keepdim=True)  # ties go to the first channel, as in torchvision
+    delta = maxc - images.amin(1, keepdim=True)
+    saturation = delta / maxc.clamp(min=torch.finfo(images.dtype).tiny)
+    # Hue from the channel that holds the maximum: (g - b), 2 + (b - r) or 4 + (r - g), over delta; 0 for greys.
+    differences = images.roll(-1, 1) - images.roll(-2, 1)
+    hue = differences.gather(1, argmax) / torch.where(delta == 0, 1.0, delta) + 2 * argmax
+    return torch.cat(((hue / 6.0) % 1.0, saturation, maxc), 1)
 
 
 def _hsv_to_rgb(images: torch.Tensor) -> torch.Tensor:
-    h, s, v = images.unbind(1)
-    sector = torch.floor(h * 6.0)
-    f = h * 6.0 - sector
-    sector = sector.long() % 6
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    # For each of the six hue sectors, which of (v, q, p, t) each of r, g, b takes.
-    table = torch.tensor([[0, 3, 2], [1, 0, 2], [2, 0, 3], [2, 1, 0], [3, 2, 0], [0, 2, 1]], device=images.device)
-    choices = torch.stack((v, q, p, t), 1)
-    pick = table[sector].permute(0, 3, 1, 2)
-    return choices.gather(1, pick)
+    hue, saturation, value = images.split(1, 1)
+    # Each of r, g, b as v - v * s * clamp(min(k, 4 - k), 0, 1), with k = (5, 3, 1) + 6 * hue, modulo 6.
+    k = (images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + 6.0 * hue) % 6.0
+    return value - value * saturation * torch.minimum(k, 4.0 - k).clamp(0, 1)
 
 
 def _adjust(images: torch.Tensor, op: int, factor: torch.Tensor) -> torch.Tensor:

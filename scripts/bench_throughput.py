@@ -26,7 +26,6 @@ from collections.abc import Iterable, Iterator
 import datasets
 import torch
 import torch.nn.functional as F
-import torchvision.transforms as T
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
@@ -35,37 +34,14 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_data, load_raw, make_loader
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
-from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD, BatchTransform
+from cifar_accel.transforms import BatchTransform
 
-CHAPTER_TRANSFORM = T.Compose([
-    T.RandomCrop(32, padding=4),
-    T.RandomHorizontalFlip(),
-    T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1),
-    T.ToTensor(),
-    T.Normalize(CIFAR10_MEAN, CIFAR10_STD),
-])  # fmt: skip
+from chapter_pipeline import ChapterDataset, chapter_loader
 
 
-class ChapterDataset(torch.utils.data.Dataset):
-    """The train split decoded from its JPEG bytes and augmented one image at a time, as the chapter does."""
-
-    def __init__(self, split: datasets.Dataset) -> None:
-        self.split = split
-
-    def __len__(self) -> int:
-        return len(self.split)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        row = self.split[index]
-        return CHAPTER_TRANSFORM(row["img"].convert("RGB")), row["label"]
-
-
-def chapter_batches(dataset_name: str, batch_size: int, workers: int) -> Iterable:
+def chapter_batches(dataset_name: str, batch_size: int) -> Iterable:
     split = load_raw(dataset_name, splits=("train",))["train"]
-    loader = torch.utils.data.DataLoader(
-        ChapterDataset(split), batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
-        persistent_workers=workers > 0,
-    )  # fmt: skip
+    loader = chapter_loader(ChapterDataset(split), batch_size)
     return ((images.contiguous(memory_format=torch.channels_last), labels) for images, labels in repeat(loader))
 
 
@@ -134,7 +110,6 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100, help="Timed steps per measurement (after --warmup).")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the chapter pipeline.")
     parser.add_argument("--torch_compile", action="store_true", help="Also measure with torch.compile(model).")
     parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
     args = parser.parse_args()
@@ -143,7 +118,7 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; batch {args.batch_size}; {args.steps} timed steps")  # fmt: skip
 
     pipelines = {
-        "chapter": lambda: chapter_batches(args.dataset_name, args.batch_size, args.workers),
+        "chapter": lambda: chapter_batches(args.dataset_name, args.batch_size),
         "ours": lambda: our_batches(args.dataset_name, args.batch_size),
         "compute": lambda: compute_only_batches(args.batch_size),
     }
@@ -163,7 +138,7 @@ def main() -> None:
     if not args.skip_startup:
         print("\nstart-up, fresh process to first training batch (s):")
         for name, pipeline in (
-            ("chapter", f"chapter_batches({args.dataset_name!r}, {args.batch_size}, {args.workers})"),
+            ("chapter", f"chapter_batches({args.dataset_name!r}, {args.batch_size})"),
             ("ours", f"our_batches({args.dataset_name!r}, {args.batch_size})"),
         ):
             with tempfile.TemporaryDirectory() as cache:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import datasets
+import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
 
 from cifar_accel import transforms as T
 
+from chapter_pipeline import CHAPTER_TRANSFORM
+from conftest import CIFAR10_JPEG
+
 
 @pytest.fixture
 def images() -> torch.Tensor:
-    return torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images[0] = 128  # grey: no hue, no saturation
+    images[1, 1] = images[1, 0]  # red and green tie for the maximum
+    return images
 
 
 @pytest.mark.parametrize(
@@ -78,3 +86,40 @@ def test_train_transform_is_seeded_and_varies(images):
     c = transform(images)
     assert torch.equal(a, b) and not torch.equal(b, c)
     assert a.is_contiguous(memory_format=torch.channels_last)
+
+
+def image_statistics(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-image statistics of normalised images that each augmentation moves: brightness, contrast, saturation,
+    colour balance (hue) and where the content sits (crop offsets, flips)."""
+    pixels = batch * torch.tensor(T.CIFAR10_STD).view(1, 3, 1, 1) + torch.tensor(T.CIFAR10_MEAN).view(1, 3, 1, 1)
+    return {
+        "brightness": pixels.mean((1, 2, 3)),
+        "contrast": pixels.std((1, 2, 3)),
+        "saturation": (pixels.amax(1) - pixels.amin(1)).mean((1, 2)),
+        "red - green": (pixels[:, 0] - pixels[:, 1]).mean((1, 2)),
+        "green - blue": (pixels[:, 1] - pixels[:, 2]).mean((1, 2)),
+        "left - right": pixels[..., :16].mean((1, 2, 3)) - pixels[..., 16:].mean((1, 2, 3)),
+        "top - bottom": pixels[:, :, :16].mean((1, 2, 3)) - pixels[:, :, 16:].mean((1, 2, 3)),
+        "dark top and bottom rows": (pixels[:, :, [0, -1]].amax(1) < 0.05).float().mean((1, 2)),
+    }
+
+
+@pytest.mark.skipif(not CIFAR10_JPEG.is_dir(), reason=f"needs the CIFAR-10 copy at {CIFAR10_JPEG}")
+def test_batch_augmentation_has_the_chapter_pipelines_statistics():
+    """The same 200 real images, each augmented 20 times by the chapter's per-image PIL pipeline and by ours:
+    every per-image statistic has the same mean and spread, within sampling noise."""
+    rows = datasets.load_dataset(str(CIFAR10_JPEG), split="test[:200]")
+    pil_images = [row["img"].convert("RGB") for row in rows]
+    uint8 = torch.from_numpy(np.stack([np.asarray(image) for image in pil_images])).permute(0, 3, 1, 2).contiguous()
+    repeats = 20
+    torch.manual_seed(0)
+    theirs = image_statistics(torch.stack([CHAPTER_TRANSFORM(image) for _ in range(repeats) for image in pil_images]))
+    ours = image_statistics(torch.cat([T.BatchTransform(augment=True)(uint8.clone()) for _ in range(repeats)]))
+    unaugmented = image_statistics(T.BatchTransform(augment=False)(uint8))
+    for name in theirs:
+        # Paired by image, so the content's own variety cancels and what is left is the augmentations' randomness.
+        their_shift = theirs[name].view(repeats, -1) - unaugmented[name]
+        our_shift = ours[name].view(repeats, -1) - unaugmented[name]
+        noise = (their_shift.var() / their_shift.numel() + our_shift.var() / our_shift.numel()).sqrt().item()
+        assert abs(our_shift.mean() - their_shift.mean()).item() < 4 * noise + 2e-3, name
+        assert our_shift.std().item() == pytest.approx(their_shift.std().item(), rel=0.1, abs=2e-3), name
