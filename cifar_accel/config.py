@@ -93,6 +93,10 @@ class TrainConfig:
         None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'."
     )
     channels_last: bool = _field(True, "Run convolutions in channels_last memory format (faster on CPU and GPU).")
+    torch_compile: bool = _field(
+        False, "Compile the model with torch.compile (inductor; on a CPU it needs a C++ compiler). Checkpoints and "
+        "model.safetensors stay interchangeable with uncompiled runs."
+    )  # fmt: skip
     cpu: bool = _field(False, "Train on the CPU even when a GPU is present.")
 
     max_consecutive_skipped_steps: int = _field(

@@ -205,6 +205,8 @@ def run_training(
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if config.torch_compile:
+        model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
     scheduler = build_scheduler(config, optimizer)
     train_loader, train_transform = train_pipeline(config, data)
