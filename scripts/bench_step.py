@@ -1,6 +1,8 @@
-"""Images/s of the training step alone (SimpleCNN, ready tensors), per precision and memory format.
+"""Images/s of the training step alone (SimpleCNN, ready tensors), per precision and memory format, and of
+evaluation per batch size.
 
-Shows whether bf16 pays on this machine before you pick a profile:
+Shows whether bf16 and channels_last pay on this machine before you pick a profile, and which
+--per_device_eval_batch_size evaluates fastest:
 
     python scripts/bench_step.py            # CPU, or the GPU when there is one
     python scripts/bench_step.py --cpu --steps 30
@@ -44,11 +46,36 @@ def images_per_second(precision: str, channels_last: bool, batch_size: int, step
     return batch_size * steps / seconds
 
 
+def eval_images_per_second(precision: str, batch_size: int, images: int, cpu: bool) -> float:
+    """Evaluation forward passes (no gradients, channels_last) over ``images`` images in batches of ``batch_size``."""
+    accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
+    model = accelerator.prepare(SimpleCNN().to(memory_format=torch.channels_last)).eval()
+    inputs = torch.randn(batch_size, 3, 32, 32, device=accelerator.device).contiguous(memory_format=torch.channels_last)
+
+    @torch.no_grad()
+    def run(n: int) -> None:
+        for _ in range(n):
+            with accelerator.autocast():
+                model(inputs)
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    run(1)  # warm-up
+    batches = max(1, images // batch_size)
+    start = time.perf_counter()
+    run(batches)
+    seconds = time.perf_counter() - start
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return batch_size * batches / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")
+    parser.add_argument("--eval_batch_sizes", type=int, nargs="+", default=[64, 500, 2000])
+    parser.add_argument("--eval_images", type=int, default=6000, help="Images per evaluation measurement.")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available() and not args.cpu
     precisions = ["no", "fp16", "bf16"] if on_gpu else ["no", "bf16"]
@@ -61,6 +88,11 @@ def main() -> None:
         for channels_last in (False, True):
             rate = images_per_second(precision, channels_last, args.batch_size, args.steps, args.cpu)
             print(f"{precision:<10}{'channels_last' if channels_last else 'NCHW':<15}{rate:>10.0f}")
+    print(f"\nevaluation, channels_last\n{'precision':<10}{'eval batch':<15}{'images/s':>10}")
+    for precision in precisions:
+        for batch_size in args.eval_batch_sizes:
+            rate = eval_images_per_second(precision, batch_size, args.eval_images, args.cpu)
+            print(f"{precision:<10}{batch_size:<15}{rate:>10.0f}")
 
 
 if __name__ == "__main__":
