@@ -41,36 +41,31 @@ def _grayscale(images: torch.Tensor) -> torch.Tensor:
 
 
 def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return (factor * images + (1 - factor) * other).clamp(0, 1)
+    return torch.lerp(other, images, factor).clamp_(0, 1)
 
 
-def _rgb_to_hsv(images: torch.Tensor) -> torch.Tensor:
-    maxc, argmax = images.max(1, keepdim=True)  # ties go to the first channel, as in torchvision
-    delta = maxc - images.amin(1, keepdim=True)
-    saturation = delta / maxc.clamp(min=torch.finfo(images.dtype).tiny)
-    # Hue from the channel that holds the maximum: (g - b), 2 + (b - r) or 4 + (r - g), over delta; 0 for greys.
-    differences = images.roll(-1, 1) - images.roll(-2, 1)
-    hue = differences.gather(1, argmax) / torch.where(delta == 0, 1.0, delta) + 2 * argmax
-    return torch.cat(((hue / 6.0) % 1.0, saturation, maxc), 1)
-
-
-def _hsv_to_rgb(images: torch.Tensor) -> torch.Tensor:
-    hue, saturation, value = images.split(1, 1)
-    # Each of r, g, b as v - v * s * clamp(min(k, 4 - k), 0, 1), with k = (5, 3, 1) + 6 * hue, modulo 6.
-    k = (images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + 6.0 * hue) % 6.0
-    return value - value * saturation * torch.minimum(k, 4.0 - k).clamp(0, 1)
+def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_hue: to HSV, turn the hue by ``shift`` (a fraction of the circle), back to RGB."""
+    r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
+    value = torch.maximum(torch.maximum(r, g), b)
+    delta = value - torch.minimum(torch.minimum(r, g), b)
+    # Hue in sixths of the circle, from the channel that holds the maximum (red, then green, on ties); 0 for greys.
+    hue = torch.where(value == r, g - b, torch.where(value == g, 2 * delta + b - r, 4 * delta + r - g))
+    hue = hue / torch.where(delta == 0, 1.0, delta) + 6 * shift
+    # Back to RGB: each channel is v - v * s * clamp(min(k, 4 - k), 0, 1) with k = (5, 3, 1) + hue, modulo 6,
+    # and v * s is delta.
+    k = (images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + hue) % 6
+    return value - delta * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
 def _adjust(images: torch.Tensor, op: int, factor: torch.Tensor) -> torch.Tensor:
     if op == 0:  # brightness
-        return _blend(images, torch.zeros_like(images), factor)
+        return (images * factor).clamp_(0, 1)
     if op == 1:  # contrast
         return _blend(images, _grayscale(images).mean(dim=(1, 2, 3), keepdim=True), factor)
     if op == 2:  # saturation
         return _blend(images, _grayscale(images), factor)
-    hsv = _rgb_to_hsv(images)  # hue
-    hue = (hsv[:, 0:1] + factor) % 1.0
-    return _hsv_to_rgb(torch.cat((hue, hsv[:, 1:]), 1))
+    return _shift_hue(images, factor)
 
 
 def color_jitter(
