@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import read_results, run_cli, tiny_args
@@ -16,8 +17,11 @@ def test_compiled_run_matches_eager_and_resumes_uncompiled(tiny_dataset, cli_env
 
     eager_weights, compiled_weights = load_file(eager / "model.safetensors"), load_file(compiled / "model.safetensors")
     assert compiled_weights.keys() == eager_weights.keys()  # no torch.compile wrapper prefix in saved names
-    max_diff = max((compiled_weights[k].float() - eager_weights[k].float()).abs().max().item() for k in eager_weights)
-    assert max_diff < 1e-3  # measured 8e-6 after the 9 steps: fused kernels round differently
+    diffs = torch.cat([(compiled_weights[k].float() - eager_weights[k].float()).abs().flatten() for k in eager_weights])
+    # Fused kernels round differently, and Adam can turn that into up to about lr (1e-3) a step for a weight whose
+    # gradient is near zero; on average the 9 steps leave the weights within about 1e-5 of each other.
+    assert diffs.max().item() < 1e-2
+    assert diffs.mean().item() < 1e-4
     (eager_epoch,), (compiled_epoch,) = read_results(eager)["history"], read_results(compiled)["history"]
     for key in ("train_loss", "val_loss"):
         assert compiled_epoch[key] == pytest.approx(eager_epoch[key], rel=1e-3), key
