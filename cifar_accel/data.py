@@ -168,13 +168,18 @@ def check_labels(split_name: str, split: Split, num_classes: int) -> None:
         )
 
 
+def first_rows(dataset: datasets.Dataset, count: int | None) -> datasets.Dataset:
+    """The first ``count`` rows of ``dataset`` (all of them when ``count`` is None or larger)."""
+    return dataset if count is None else dataset.select(range(min(count, len(dataset))))
+
+
 def load_split(
     dataset_name: str, split: str, image_column: str | None, label_column: str | None, max_samples: int | None
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column."""
     raw = load_raw(dataset_name, splits=(split,))
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
-    dataset = raw[split] if max_samples is None else raw[split].select(range(min(max_samples, len(raw[split]))))
+    dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split)
     class_names = class_names_of(raw[split].features[label_column], tensors.labels)
     check_labels(split, tensors, len(class_names))
@@ -194,9 +199,7 @@ def load_data(config: TrainConfig) -> CifarData:
     """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
     raw = load_raw(config.dataset_name)
     image_column, label_column = find_columns(raw["train"].features, config.image_column_name, config.label_column_name)
-    train_raw = raw["train"]
-    if config.max_train_samples is not None:
-        train_raw = train_raw.select(range(min(config.max_train_samples, len(train_raw))))
+    train_raw = first_rows(raw["train"], config.max_train_samples)
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 

@@ -17,7 +17,7 @@ import torchvision.transforms as T
 from torch.utils.data import DataLoader
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.data import CifarData, find_columns, load_raw, split_indices
+from cifar_accel.data import CifarData, find_columns, first_rows, load_raw, split_indices
 from cifar_accel.engine import Transform
 from cifar_accel.errors import run_cli
 from cifar_accel.train import main
@@ -56,9 +56,7 @@ def chapter_loader(split: ChapterDataset, batch_size: int, seed: int = 0) -> Dat
 
 def chapter_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Transform]:
     """The training images of ``data`` (same validation split), read from the raw dataset per image."""
-    raw = load_raw(config.dataset_name, splits=("train",))["train"]
-    if config.max_train_samples is not None:
-        raw = raw.select(range(min(config.max_train_samples, len(raw))))
+    raw = first_rows(load_raw(config.dataset_name, splits=("train",))["train"], config.max_train_samples)
     columns = find_columns(raw.features, config.image_column_name, config.label_column_name)
     train_indices, _ = split_indices(len(raw), config.val_ratio, config.seed)
     loader = chapter_loader(ChapterDataset(raw.select(train_indices), *columns), config.per_device_train_batch_size,
