@@ -15,6 +15,8 @@ import torch.nn.functional as F
 # Per-channel mean and standard deviation of the CIFAR-10 training images.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+# ColorJitter's four colour ops, numbered as the columns of its random factors.
+BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
 def random_crop(images: torch.Tensor, padding: int = 4) -> torch.Tensor:
@@ -40,10 +42,6 @@ def _grayscale(images: torch.Tensor) -> torch.Tensor:
     return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
 
-def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return torch.lerp(other, images, factor).clamp_(0, 1)
-
-
 def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """torchvision's adjust_hue: to HSV, turn the hue by ``shift`` (a fraction of the circle), back to RGB."""
     r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
@@ -58,14 +56,20 @@ def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return value - delta * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
-def _adjust(images: torch.Tensor, op: int, factor: torch.Tensor) -> torch.Tensor:
-    if op == 0:  # brightness
-        return (images * factor).clamp_(0, 1)
-    if op == 1:  # contrast
-        return _blend(images, _grayscale(images).mean(dim=(1, 2, 3), keepdim=True), factor)
-    if op == 2:  # saturation
-        return _blend(images, _grayscale(images), factor)
-    return _shift_hue(images, factor)
+def _adjust(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Each image's colour op (BRIGHTNESS, CONTRAST, SATURATION or HUE) with its own factor, as torchvision's
+    ``adjust_*`` functions do it; ``ops`` and ``factors`` hold one value per image."""
+    n = images.shape[0]
+    ops, factors = ops.view(n, 1, 1, 1), factors.view(n, 1, 1, 1)
+    # Brightness, contrast and saturation blend the image with a base (black, its mean grey, its greyscale), all
+    # in one pass; the images whose op is hue get weight 1 there, so they pass through unchanged.
+    gray = _grayscale(images)
+    base = torch.where(ops == SATURATION, gray, (ops == CONTRAST) * gray.mean(dim=(1, 2, 3), keepdim=True))
+    images = torch.lerp(base, images, torch.where(ops == HUE, 1.0, factors)).clamp_(0, 1)
+    hue = (ops.view(n) == HUE).nonzero().squeeze(1)
+    if hue.numel():
+        images[hue] = _shift_hue(images[hue], factors[hue])
+    return images
 
 
 def color_jitter(
@@ -79,15 +83,11 @@ def color_jitter(
         (1 - saturation, 1 + saturation),
         (-hue, hue),
     ]
-    factors = torch.stack([torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1).view(
-        n, 4, 1, 1, 1
-    )
+    factors = torch.stack([torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1)
     order = torch.rand(n, 4, device=images.device).argsort(1)
     for position in range(4):
-        for op in range(4):
-            idx = (order[:, position] == op).nonzero().squeeze(1)
-            if idx.numel():
-                images[idx] = _adjust(images[idx], op, factors[idx, op])
+        ops = order[:, position]
+        images = _adjust(images, ops, factors.gather(1, ops.view(n, 1)))
     return images
 
 

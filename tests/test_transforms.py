@@ -22,21 +22,21 @@ def images() -> torch.Tensor:
     return images
 
 
-@pytest.mark.parametrize(
-    ("op", "reference", "factor"),
-    [
-        (0, TF.adjust_brightness, 1.15),
-        (1, TF.adjust_contrast, 0.85),
-        (2, TF.adjust_saturation, 1.2),
-        (3, TF.adjust_hue, 0.07),
-        (3, TF.adjust_hue, -0.09),
-    ],
-)
-def test_each_colour_op_matches_torchvision(images, op, reference, factor):
+def test_each_image_gets_its_own_colour_op_as_torchvision_does_it(images):
+    """One call applies each image's op with its factor; the grey and the tie images get every op in turn."""
+    reference = {T.BRIGHTNESS: TF.adjust_brightness, T.CONTRAST: TF.adjust_contrast,
+                 T.SATURATION: TF.adjust_saturation, T.HUE: TF.adjust_hue}  # fmt: skip
+    factors = {T.BRIGHTNESS: 1.15, T.CONTRAST: 0.85, T.SATURATION: 1.2, T.HUE: -0.09}
     x = images.float() / 255
-    ours = T._adjust(x, op, torch.full((16, 1, 1, 1), factor))
-    theirs = torch.stack([reference(img, factor) for img in x])
-    assert torch.allclose(ours, theirs, atol=2e-5)
+    for shift in range(4):
+        ops = (torch.arange(16) + shift) % 4
+        op_factors = torch.tensor([factors[op] for op in ops.tolist()])
+        op_factors[ops == T.HUE] *= torch.tensor([1.0, -0.8, 0.5, -1.1])  # both directions of the hue shift
+        ours = T._adjust(x, ops, op_factors)
+        theirs = torch.stack(
+            [reference[op](img, f) for img, op, f in zip(x, ops.tolist(), op_factors.tolist(), strict=True)]
+        )
+        assert torch.allclose(ours, theirs, atol=2e-5)
 
 
 def test_random_crop_is_a_shifted_window_of_the_zero_padded_image(images):
