@@ -19,22 +19,20 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
-def random_crop(images: torch.Tensor, padding: int = 4) -> torch.Tensor:
-    """Pad with zeros, then cut a randomly placed window of the original size out of each image."""
+def random_crop_and_flip(images: torch.Tensor, padding: int = 4, p: float = 0.5) -> torch.Tensor:
+    """Pad with zeros, cut a randomly placed window of the original size out of each image, and mirror it
+    left-right with probability ``p``."""
     n, c, h, w = images.shape
     padded = F.pad(images, (padding,) * 4).flatten(2)
     dy = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
     dx = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
+    flip = torch.rand(n, 1, 1, device=images.device) < p
     rows = dy + torch.arange(h, device=images.device).view(1, h, 1)
-    cols = dx + torch.arange(w, device=images.device).view(1, 1, w)
+    ramp = torch.arange(w, device=images.device)
+    cols = dx + torch.where(flip, ramp.flip(0), ramp)  # a mirrored window reads its columns right to left
     # One gather over the flattened padded images picks each window's pixels, every channel alike.
     index = (rows * (w + 2 * padding) + cols).view(n, 1, h * w).expand(n, c, h * w)
     return padded.gather(2, index).view(n, c, h, w)
-
-
-def random_horizontal_flip(images: torch.Tensor, p: float = 0.5) -> torch.Tensor:
-    flip = torch.rand(images.shape[0], 1, 1, 1, device=images.device) < p
-    return torch.where(flip, images.flip(-1), images)
 
 
 def _grayscale(images: torch.Tensor) -> torch.Tensor:
@@ -49,7 +47,7 @@ def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     delta = value - torch.minimum(torch.minimum(r, g), b)
     # Hue in sixths of the circle, from the channel that holds the maximum (red, then green, on ties); 0 for greys.
     hue = torch.where(value == r, g - b, torch.where(value == g, 2 * delta + b - r, 4 * delta + r - g))
-    hue = hue / torch.where(delta == 0, 1.0, delta) + 6 * shift
+    hue = (hue / delta).nan_to_num_(0.0) + 6 * shift  # 0 / 0 for greys
     # Back to RGB: each channel is v - v * s * clamp(min(k, 4 - k), 0, 1) with k = (5, 3, 1) + hue, modulo 6,
     # and v * s is delta.
     k = (images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + hue) % 6
@@ -64,7 +62,7 @@ def _adjust(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> t
     # Brightness, contrast and saturation blend the image with a base (black, its mean grey, its greyscale), all
     # in one pass; the images whose op is hue get weight 1 there, so they pass through unchanged.
     gray = _grayscale(images)
-    base = torch.where(ops == SATURATION, gray, (ops == CONTRAST) * gray.mean(dim=(1, 2, 3), keepdim=True))
+    base = torch.addcmul((ops == CONTRAST) * gray.mean(dim=(1, 2, 3), keepdim=True), gray, ops == SATURATION)
     images = torch.lerp(base, images, torch.where(ops == HUE, 1.0, factors)).clamp_(0, 1)
     hue = (ops.view(n) == HUE).nonzero().squeeze(1)
     if hue.numel():
@@ -100,7 +98,7 @@ class BatchTransform:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if self.augment:
-            images = random_horizontal_flip(random_crop(images))
+            images = random_crop_and_flip(images)
         images = images.float().div_(255)
         if self.augment:
             images = color_jitter(images, brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1)

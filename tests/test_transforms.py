@@ -39,15 +39,18 @@ def test_each_image_gets_its_own_colour_op_as_torchvision_does_it(images):
         assert torch.allclose(ours, theirs, atol=2e-5)
 
 
-def test_random_crop_is_a_shifted_window_of_the_zero_padded_image(images):
+def test_each_crop_is_a_window_of_the_zero_padded_image_mirrored_or_not(images):
     torch.manual_seed(0)
-    cropped = T.random_crop(images)
+    cropped = T.random_crop_and_flip(images)
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
+    mirrored = 0
     for img, out in zip(padded, cropped, strict=True):
-        windows = [
-            (dy, dx) for dy in range(9) for dx in range(9) if torch.equal(img[:, dy : dy + 32, dx : dx + 32], out)
-        ]
-        assert windows
+        windows = [img[:, dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)]
+        straight = any(torch.equal(window, out) for window in windows)
+        flipped = any(torch.equal(window.flip(-1), out) for window in windows)
+        assert straight or flipped
+        mirrored += flipped and not straight
+    assert 0 < mirrored < len(images)
 
 
 def test_crop_offsets_and_flips_have_torchvisions_distribution():
@@ -59,7 +62,7 @@ def test_crop_offsets_and_flips_have_torchvisions_distribution():
     torch.manual_seed(0)
     marker = torch.zeros(4000, 1, 32, 32, dtype=torch.uint8)
     marker[:, :, 0, 0] = 255
-    out = T.random_horizontal_flip(T.random_crop(marker))[:, 0]
+    out = T.random_crop_and_flip(marker)[:, 0]
     assert out.flatten(1).gt(0).any(1).float().mean().item() == pytest.approx((5 / 9) ** 2, abs=0.03)
     _, rows, cols = (out > 0).nonzero().unbind(1)
     assert set(cols.tolist()) <= set(range(5)) | set(range(27, 32))
