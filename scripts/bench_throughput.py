@@ -10,7 +10,8 @@
 (c) compute:  the same training step on batches of (b) made before the clock starts (real images, augmented
               and normalised): the bound no pipeline can beat.
 
-Prints images/s and the ratios b/a and b/c, then the start-up time (process start to the first batch) of
+(b) and (c) train one model in alternating turns, so that the host's drifting speed affects both alike; (a) runs
+on its own. Prints images/s and the ratios b/a and b/c, then the start-up time (process start to the first batch) of
 (a) and (b), cold (empty `datasets` cache) and warm.
 """
 
@@ -65,10 +66,15 @@ def repeat(loader: Iterable) -> Iterator:
 
 
 def images_per_second(
-    batches: Iterable, precision: str, steps: int, warmup: int, compile_model: bool
-) -> tuple[float, float]:
-    """Train SimpleCNN on ``batches`` (ready inputs and labels) through Accelerate, as `cifar_accel.train` does;
-    images/s after the warm-up steps, and the warm-up's seconds (which include compiling)."""
+    pipelines: dict[str, Iterable], precision: str, steps: int, warmup: int, turns: int, compile_model: bool
+) -> tuple[dict[str, float], float]:
+    """Train SimpleCNN through Accelerate, as `cifar_accel.train` does, on each pipeline's batches (ready inputs
+    and labels); images/s of each after its warm-up steps, and the first pipeline's warm-up seconds (which include
+    compiling).
+
+    The pipelines take turns of ``steps / turns`` steps on the same model, so that the machine's speed, which
+    drifts from minute to minute on a shared host, is the same for all of them.
+    """
     set_seed(0)
     accelerator = Accelerator(mixed_precision=precision, cpu=True)
     model = build_model("simple_cnn", num_classes=10).to(memory_format=torch.channels_last)
@@ -76,16 +82,24 @@ def images_per_second(
         model.compile()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
-    batches = iter(batches)
-    start = time.perf_counter()
-    for step in range(warmup + steps):
-        if step == warmup:
-            warmup_seconds, start = time.perf_counter() - start, time.perf_counter()
-        images, labels = next(batches)
-        training_step(accelerator, model, optimizer, F.cross_entropy, images, labels)
-    seconds = time.perf_counter() - start
+
+    def train(batches: Iterator, count: int) -> tuple[float, int]:
+        start, images = time.perf_counter(), 0
+        for inputs, labels in itertools.islice(batches, count):
+            training_step(accelerator, model, optimizer, F.cross_entropy, inputs, labels)
+            images += len(labels)
+        return time.perf_counter() - start, images
+
+    batches = {name: iter(pipeline) for name, pipeline in pipelines.items()}
+    warmup_seconds = [train(iterator, warmup)[0] for iterator in batches.values()][0]
+    seconds, images = dict.fromkeys(batches, 0.0), dict.fromkeys(batches, 0)
+    for _ in range(turns):
+        for name, iterator in batches.items():
+            turn_seconds, turn_images = train(iterator, steps // turns)
+            seconds[name] += turn_seconds
+            images[name] += turn_images
     AcceleratorState._reset_state(reset_partial_state=True)
-    return steps * len(labels) / seconds, warmup_seconds
+    return {name: images[name] / seconds[name] for name in batches}, warmup_seconds
 
 
 STARTUP = """
@@ -115,6 +129,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="Timed steps per measurement (after --warmup).")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument(
+        "--turns", type=int, default=5, help="Ours and the compute bound alternate, each --steps in this many turns."
+    )
+    parser.add_argument(
         "--torch_compile", action="store_true", help="Also measure with the model compiled, as training's flag does."
     )
     parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
@@ -132,18 +149,21 @@ def main() -> None:
           f"{'ours/compute':>14}{'warm-up s':>11}   (images/s)")  # fmt: skip
     for precision in args.precisions:
         for compile_model in [False, True] if args.torch_compile else [False]:
-            # Compiling changes the step, not the input: the chapter pipeline is measured eager only.
-            names = ["ours", "compute"] if compile_model else ["chapter", "ours", "compute"]
-            rate, warmup = {}, {}
-            for name in names:
-                rate[name], warmup[name] = images_per_second(
-                    pipelines[name](), precision, args.steps, args.warmup, compile_model
-                )
+            rate, warmup = images_per_second(
+                {"ours": pipelines["ours"](), "compute": pipelines["compute"]()},
+                precision, args.steps, args.warmup, args.turns, compile_model,
+            )  # fmt: skip
+            # Compiling changes the step, not the input: the chapter pipeline is measured eager only, and on its own,
+            # as its DataLoader workers would fill their queues while the others took their turns.
+            if not compile_model:
+                rate |= images_per_second(
+                    {"chapter": pipelines["chapter"]()}, precision, args.steps, args.warmup, 1, compile_model
+                )[0]
             measured = "chapter" in rate
             chapter = f"{rate['chapter']:.0f}" if measured else "-"
             ours_vs_chapter = f"{rate['ours'] / rate['chapter']:.2f}x" if measured else "-"
             print(f"{precision:<10}{str(compile_model):<9}{chapter:>10}{rate['ours']:>10.0f}{rate['compute']:>10.0f}"
-                  f"{ours_vs_chapter:>14}{rate['ours'] / rate['compute']:>13.2f}x{warmup['ours']:>11.1f}",
+                  f"{ours_vs_chapter:>14}{rate['ours'] / rate['compute']:>13.2f}x{warmup:>11.1f}",
                   flush=True)  # fmt: skip
 
     if not args.skip_startup:
