@@ -67,10 +67,10 @@ def repeat(loader: Iterable) -> Iterator:
 
 def images_per_second(
     pipelines: dict[str, Iterable], precision: str, steps: int, warmup: int, turns: int, compile_model: bool
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """Train SimpleCNN through Accelerate, as `cifar_accel.train` does, on each pipeline's batches (ready inputs
-    and labels); images/s of each after its warm-up steps, and the first pipeline's warm-up seconds (which include
-    compiling).
+    and labels); images/s of each after its warm-up steps, and each one's warm-up seconds (the first pipeline's
+    include compiling).
 
     The pipelines take turns of ``steps / turns`` steps on the same model, so that the machine's speed, which
     drifts from minute to minute on a shared host, is the same for all of them.
@@ -91,7 +91,7 @@ def images_per_second(
         return time.perf_counter() - start, images
 
     batches = {name: iter(pipeline) for name, pipeline in pipelines.items()}
-    warmup_seconds = [train(iterator, warmup)[0] for iterator in batches.values()][0]
+    warmup_seconds = {name: train(iterator, warmup)[0] for name, iterator in batches.items()}
     seconds, images = dict.fromkeys(batches, 0.0), dict.fromkeys(batches, 0)
     for _ in range(turns):
         for name, iterator in batches.items():
@@ -163,7 +163,7 @@ def main() -> None:
             chapter = f"{rate['chapter']:.0f}" if measured else "-"
             ours_vs_chapter = f"{rate['ours'] / rate['chapter']:.2f}x" if measured else "-"
             print(f"{precision:<10}{str(compile_model):<9}{chapter:>10}{rate['ours']:>10.0f}{rate['compute']:>10.0f}"
-                  f"{ours_vs_chapter:>14}{rate['ours'] / rate['compute']:>13.2f}x{warmup:>11.1f}",
+                  f"{ours_vs_chapter:>14}{rate['ours'] / rate['compute']:>13.2f}x{warmup['ours']:>11.1f}",
                   flush=True)  # fmt: skip
 
     if not args.skip_startup:

@@ -93,7 +93,8 @@ def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tm
     proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run"), two_rank_env(cli_env), launcher=TORCHRUN)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2  # one line from each rank
+    # One line from each rank, unless torchrun stops the second rank before it writes, once the first has failed.
+    assert 1 <= len(errors) <= 2
     assert all("2 processes were started but they are not connected" in line for line in errors)
     assert "torchrun --nproc_per_node N -m cifar_accel.train --cpu" in errors[0]
     assert not (tmp_path / "run" / "results.json").exists()
