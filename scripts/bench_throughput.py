@@ -140,24 +140,27 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; batch {args.batch_size}; {args.steps} timed steps")  # fmt: skip
 
-    pipelines = {
-        "chapter": lambda: chapter_batches(args.dataset_name, args.batch_size),
-        "ours": lambda: our_batches(args.dataset_name, args.batch_size),
-        "compute": lambda: premade_batches(args.dataset_name, args.batch_size, args.warmup + args.steps),
-    }
     print(f"\n{'precision':<10}{'compile':<9}{'chapter':>10}{'ours':>10}{'compute':>10}{'ours/chapter':>14}"
           f"{'ours/compute':>14}{'warm-up s':>11}   (images/s)")  # fmt: skip
     for precision in args.precisions:
         for compile_model in [False, True] if args.torch_compile else [False]:
             rate, warmup = images_per_second(
-                {"ours": pipelines["ours"](), "compute": pipelines["compute"]()},
+                {
+                    "ours": our_batches(args.dataset_name, args.batch_size),
+                    "compute": premade_batches(args.dataset_name, args.batch_size, args.warmup + args.steps),
+                },
                 precision, args.steps, args.warmup, args.turns, compile_model,
             )  # fmt: skip
             # Compiling changes the step, not the input: the chapter pipeline is measured eager only, and on its own,
             # as its DataLoader workers would fill their queues while the others took their turns.
             if not compile_model:
                 rate |= images_per_second(
-                    {"chapter": pipelines["chapter"]()}, precision, args.steps, args.warmup, 1, compile_model
+                    {"chapter": chapter_batches(args.dataset_name, args.batch_size)},
+                    precision,
+                    args.steps,
+                    args.warmup,
+                    1,
+                    compile_model,
                 )[0]
             measured = "chapter" in rate
             chapter = f"{rate['chapter']:.0f}" if measured else "-"
