@@ -20,20 +20,12 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.config import FIELDS, TrainConfig
 from cifar_accel.errors import InputError, RunFault
 
 STATE_FILE = "trainer_state.json"
 PARTIAL_PREFIX = ".partial-"
 _NAME = re.compile(r"^step_(\d{8,})$")
-
-# Config fields a resumed run must share with the checkpoint: they change shapes,
-# the data split or order, or the restored optimizer and scheduler would ignore them.
-FINGERPRINT_FIELDS = (
-    "dataset_name", "image_column_name", "label_column_name", "val_ratio", "max_train_samples", "seed",
-    "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "scale_lr",
-    "weight_decay", "lr_scheduler_type", "lr_step_size", "lr_gamma", "augment",
-)  # fmt: skip
 
 
 class CheckpointSaveError(RunFault):
@@ -78,7 +70,9 @@ class TrainerState:
 
 
 def config_fingerprint(config: TrainConfig, mixed_precision: str) -> dict[str, Any]:
-    values = {name: getattr(config, name) for name in FINGERPRINT_FIELDS}
+    """The config values a resume must share with the checkpoint: the fields whose metadata says
+    ``resume="match"``, with the precision that was in effect rather than the one requested."""
+    values = {name: getattr(config, name) for name, f in FIELDS.items() if f.metadata["resume"] == "match"}
     return {**values, "mixed_precision": mixed_precision}
 
 

@@ -31,6 +31,7 @@ from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import TrainConfig, load_config
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
 from cifar_accel.plots import MISSING, pyplot
+from cifar_accel.precision import unsupported
 
 logger = logging.getLogger("cifar_accel.compare")
 
@@ -52,15 +53,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--output_dir", default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
-
-
-def unsupported(precision: str) -> str | None:
-    """Why this machine cannot run ``precision`` for real, or None."""
-    if precision == "fp16" and not torch.cuda.is_available():
-        return "needs a CUDA GPU: Accelerate autocasts fp16 only on GPUs, on a CPU the run would be fp32"
-    if precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        return "this GPU has no bf16 support"
-    return None
 
 
 def hardware() -> dict[str, Any]:

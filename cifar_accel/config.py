@@ -28,17 +28,27 @@ Precision = Literal["no", "fp16", "bf16"]
 DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
 
 
+# What a resumed run may do with a field: keep it as the checkpoint has it, or change it.
+Resume = Literal["match", "may_change"]
+
+
 def _field(
     default: Any,
     help: str,
     *,
+    resume: Resume,
     aliases: tuple[str, ...] = (),
     pattern: tuple[str, str] | None = None,
     **bounds: float,
 ) -> Any:
-    """A config field: help text, extra flag names, bounds (ge, gt, le, lt), and for strings a
-    (regular expression, description) pair the value must match."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "pattern": pattern, "bounds": bounds})
+    """A config field: help text, what a resume may do with it, extra flag names, bounds (ge, gt, le, lt), and
+    for strings a (regular expression, description) pair the value must match.
+
+    ``resume="match"`` puts the field in the checkpoint's fingerprint: it changes shapes, the data split or
+    order, or what the restored optimizer and scheduler compute, so a resume with another value is refused.
+    """
+    metadata = {"help": help, "resume": resume, "aliases": aliases, "pattern": pattern, "bounds": bounds}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -47,76 +57,106 @@ class TrainConfig:
     dataset_name: str = _field(
         "uoft-cs/cifar10",
         "Hub dataset id, or a local path that datasets.load_dataset reads (Hub-layout folder, parquet, image folder).",
+        resume="match",
     )
-    image_column_name: str | None = _field(None, "Image column; default: the dataset's first Image column.")
-    label_column_name: str | None = _field(None, "Label column; default: the first ClassLabel column, else 'label'.")
+    image_column_name: str | None = _field(
+        None, "Image column; default: the dataset's first Image column.", resume="match"
+    )
+    label_column_name: str | None = _field(
+        None, "Label column; default: the first ClassLabel column, else 'label'.", resume="match"
+    )
     val_ratio: float = _field(
-        0.1, "Fraction of the train split held out for validation (seeded).", aliases=("--train_val_split",), gt=0, lt=1
-    )
+        0.1, "Fraction of the train split held out for validation (seeded).", resume="match",
+        aliases=("--train_val_split",), gt=0, lt=1,
+    )  # fmt: skip
     max_train_samples: int | None = _field(
-        None, "Use only the first N examples of the train split (before the validation split).", ge=1
+        None, "Use only the first N examples of the train split (before the validation split).", resume="match", ge=1
     )
-    max_eval_samples: int | None = _field(None, "Use only the first N validation and N test examples.", ge=1)
-    augment: bool = _field(True, "Random crop (padding 4), horizontal flip and colour jitter on training batches.")
+    max_eval_samples: int | None = _field(
+        None, "Use only the first N validation and N test examples.", resume="may_change", ge=1
+    )
+    augment: bool = _field(
+        True, "Random crop (padding 4), horizontal flip and colour jitter on training batches.", resume="match"
+    )
 
     # Model and optimisation
-    model_name: Literal["simple_cnn"] = _field("simple_cnn", "Model architecture.", aliases=("--model",))
-    num_train_epochs: int = _field(30, "Number of training epochs.", aliases=("--epochs",), ge=1)
+    model_name: Literal["simple_cnn"] = _field(
+        "simple_cnn", "Model architecture.", resume="match", aliases=("--model",)
+    )
+    num_train_epochs: int = _field(
+        30, "Number of training epochs. A resume may raise it to extend a finished run (not with the cosine schedule, "
+        "whose period it is).", resume="may_change", aliases=("--epochs",), ge=1,
+    )  # fmt: skip
     per_device_train_batch_size: int = _field(
-        64, "Training batch size per process.", aliases=("--batch_size", "--batch-size"), ge=1
+        64, "Training batch size per process.", resume="match", aliases=("--batch_size", "--batch-size"), ge=1
     )
-    per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", ge=1)
-    learning_rate: float = _field(1e-3, "Adam learning rate.", aliases=("--lr",), gt=0)
+    per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", resume="may_change", ge=1)
+    learning_rate: float = _field(1e-3, "Adam learning rate.", resume="match", aliases=("--lr",), gt=0)
     scale_lr: bool = _field(
-        False, "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch)."
-    )
-    weight_decay: float = _field(0.0, "Adam weight decay.", ge=0)
+        False, "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch).",
+        resume="match",
+    )  # fmt: skip
+    weight_decay: float = _field(0.0, "Adam weight decay.", resume="match", ge=0)
     lr_scheduler_type: Literal["step", "cosine"] = _field(
-        "step", "Epoch-wise schedule: StepLR or cosine annealing to zero.", aliases=("--scheduler",)
-    )
-    lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", ge=1)
-    lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", gt=0, le=1)
+        "step", "Epoch-wise schedule: StepLR or cosine annealing to zero over --num_train_epochs.", resume="match",
+        aliases=("--scheduler",),
+    )  # fmt: skip
+    lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", resume="match", ge=1)
+    lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", resume="match", gt=0, le=1)
     early_stopping_patience: int = _field(
-        7,
-        "Stop after this many epochs without a better validation accuracy; 0 turns it off.",
-        aliases=("--patience",),
-        ge=0,
+        7, "Stop after this many epochs without a better validation accuracy; 0 turns it off.", resume="may_change",
+        aliases=("--patience",), ge=0,
+    )  # fmt: skip
+    max_grad_norm: float | None = _field(
+        None, "Clip the total gradient norm to this value (after unscaling).", resume="may_change", gt=0
     )
-    max_grad_norm: float | None = _field(None, "Clip the total gradient norm to this value (after unscaling).", gt=0)
-    gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", ge=1)
+    gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", resume="match", ge=1)
     seed: int = _field(
-        42, "Seed for the weights, the validation split, data order and augmentation.", ge=0, le=2**32 - 1
-    )
+        42, "Seed for the weights, the validation split, data order and augmentation.", resume="match", ge=0,
+        le=2**32 - 1,
+    )  # fmt: skip
 
     # Hardware and precision
     mixed_precision: Precision | None = _field(
-        None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'."
+        None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'.",
+        resume="match",  # compared as the precision in effect, see checkpoint.config_fingerprint
+    )  # fmt: skip
+    channels_last: bool = _field(
+        True, "Run convolutions in channels_last memory format (faster on CPU and GPU).", resume="may_change"
     )
-    channels_last: bool = _field(True, "Run convolutions in channels_last memory format (faster on CPU and GPU).")
     torch_compile: bool = _field(
         False, "Compile the model with torch.compile (inductor; on a CPU it needs a C++ compiler). Checkpoints and "
-        "model.safetensors stay interchangeable with uncompiled runs."
+        "model.safetensors stay interchangeable with uncompiled runs.", resume="may_change",
     )  # fmt: skip
-    cpu: bool = _field(False, "Train on the CPU even when a GPU is present.")
+    cpu: bool = _field(False, "Train on the CPU even when a GPU is present.", resume="may_change")
 
     max_consecutive_skipped_steps: int = _field(
-        25, "fp16: stop when the GradScaler skips more than this many optimizer steps in a row.", ge=1
-    )
+        25, "fp16: stop when the GradScaler skips more than this many optimizer steps in a row.", resume="may_change",
+        ge=1,
+    )  # fmt: skip
 
     # Outputs
-    output_dir: str = _field("outputs/cifar10", "Where checkpoints, logs, model.safetensors and results.json go.")
-    overwrite_output_dir: bool = _field(False, "Allow writing into a folder that already holds another run's results.")
-    resume_from_checkpoint: str | None = _field(
-        None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", aliases=("--resume",)
+    output_dir: str = _field(
+        "outputs/cifar10", "Where checkpoints, logs, model.safetensors and results.json go.", resume="may_change"
     )
+    overwrite_output_dir: bool = _field(
+        False, "Allow writing into a folder that already holds another run's results.", resume="may_change"
+    )
+    resume_from_checkpoint: str | None = _field(
+        None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", resume="may_change",
+        aliases=("--resume",),
+    )  # fmt: skip
     checkpointing_steps: str = _field(
         "epoch", "Save a checkpoint every N optimizer steps, or 'epoch'; one is always saved at each epoch's end.",
-        pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
+        resume="may_change", pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
     )  # fmt: skip
-    checkpoints_total_limit: int = _field(2, "Keep the newest N checkpoints, plus the best one.", ge=1)
-    logging_steps: int = _field(
-        100, "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.", ge=1
+    checkpoints_total_limit: int = _field(
+        2, "Keep the newest N checkpoints, plus the best one.", resume="may_change", ge=1
     )
+    logging_steps: int = _field(
+        100, "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.",
+        resume="may_change", ge=1,
+    )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import evaluate
 import torch
@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Called after every batch with its loss and, on optimizer steps, the gradient norm (see ``training_step``).
+AfterStep = Callable[[torch.Tensor, torch.Tensor | None], None]
 
 
 def training_step(
@@ -52,21 +54,21 @@ def training_step(
 def train_one_epoch(
     accelerator: Accelerator,
     model: nn.Module,
-    loader: DataLoader,
+    loader: Iterable,
     optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
     transform: Transform,
-    max_grad_norm: float | None = None,
-    totals: torch.Tensor | None = None,
-    after_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
+    max_grad_norm: float | None,
+    totals: torch.Tensor,
+    after_step: AfterStep,
     description: str = "train",
 ) -> dict[str, float]:
     """Train over ``loader`` once; loss, accuracy and images summed over all processes, and this call's seconds.
 
-    ``totals`` (loss sum, correct, images on this process) carries the first part of an epoch that was resumed
-    mid-way; ``after_step(totals, loss, grad_norm)`` runs after every batch (telemetry, checks, checkpoints).
+    ``totals`` (loss sum, correct, images on this process) is added to in place and may carry the first part of
+    an epoch that was resumed mid-way; ``after_step(loss, grad_norm)`` runs after every batch.
     """
     model.train()
-    totals = torch.zeros(3, device=accelerator.device) if totals is None else totals
     start = time.perf_counter()
     progress = tqdm(
         loader, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process
@@ -74,13 +76,12 @@ def train_one_epoch(
     for images, labels in progress:
         with accelerator.accumulate(model):
             loss, logits, grad_norm = training_step(
-                accelerator, model, optimizer, F.cross_entropy, transform(images), labels, max_grad_norm
+                accelerator, model, optimizer, loss_fn, transform(images), labels, max_grad_norm
             )
         totals[0] += loss.float() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
-        if after_step is not None:
-            after_step(totals, loss, grad_norm)
+        after_step(loss, grad_norm)
     seconds = time.perf_counter() - start
     loss_sum, correct, seen = accelerator.reduce(totals.clone(), reduction="sum").tolist()
     return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}

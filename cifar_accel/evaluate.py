@@ -54,7 +54,10 @@ def classification_report(
     totals, correct = confusion.sum(1), confusion.diag()
     return {
         "accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
-        "macro_f1": load_metric("f1").compute(predictions=predictions, references=references, average="macro")["f1"],
+        # Over all classes of the model, so a class missing from the split still counts (with F1 0).
+        "macro_f1": load_metric("f1").compute(
+            predictions=predictions, references=references, labels=list(range(num_classes)), average="macro"
+        )["f1"],
         "samples": len(references),
         "per_class": [
             {"class": name, "correct": int(c), "total": int(t), "accuracy": (int(c) / int(t)) if t else None}

@@ -14,11 +14,18 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_number = 0
+        self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequest:
         for number in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(number, self._record)
+            self._previous[number] = signal.signal(number, self._record)
         return self
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before ``install``."""
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
 
     def _record(self, number: int, frame: FrameType | None) -> None:
         if number == signal.SIGINT and self.signal_number == signal.SIGINT:

@@ -5,23 +5,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import accelerate
 import datasets
+import evaluate
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
+from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.checkpoint import (
@@ -31,24 +30,17 @@ from cifar_accel.checkpoint import (
     load_checkpoint,
     remove_partial_checkpoints,
     resolve_checkpoint,
-    save_checkpoint,
 )
 from cifar_accel.config import TrainConfig, load_config, save_config
 from cifar_accel.data import LABELS_FILE, CifarData, check_dataset_path, load_data, make_loader
-from cifar_accel.engine import Transform, evaluate_model, train_one_epoch
-from cifar_accel.errors import InputError, Stopped, run_cli
+from cifar_accel.engine import LossFn, Transform, evaluate_model, train_one_epoch
+from cifar_accel.errors import InputError, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
-from cifar_accel.precision import (
-    check_step,
-    effective_precision,
-    log_precision_report,
-    log_step,
-    loss_scale,
-    peak_memory,
-    precision_report,
-)
-from cifar_accel.stopping import StopRequest
+from cifar_accel.monitor import TrainingMonitor
+from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
+from cifar_accel.precision import effective_precision, log_precision_report, precision_report
+from cifar_accel.telemetry import run_results
 from cifar_accel.transforms import BatchTransform
 
 logger = get_logger(__name__)
@@ -84,13 +76,6 @@ def prepare_output_dir(config: TrainConfig) -> Path:
     return output_dir
 
 
-def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    """The epoch-wise learning-rate schedule."""
-    if config.lr_scheduler_type == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
-
-
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
     """The config as TensorBoard hyperparameters (which cannot hold None)."""
     return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
@@ -115,55 +100,34 @@ def build_accelerator(config: TrainConfig, output_dir: Path) -> Accelerator:
     return accelerator
 
 
-def epoch_record(
-    epoch: int,
-    train: dict,
-    val: dict,
-    learning_rate: float,
-    seconds: float,
-    accelerator: Accelerator,
-    state: TrainerState,
-) -> dict[str, Any]:
-    return {
-        "epoch": epoch,
-        "train_loss": train["loss"],
-        "train_accuracy": train["accuracy"],
-        "val_loss": val["loss"],
-        "val_accuracy": val["accuracy"],
-        "val_samples": val["samples"],
-        "learning_rate": learning_rate,
-        "train_images": train["images"],
-        "train_seconds": train["seconds"],
-        "train_images_per_second": train["images"] / train["seconds"],
-        "epoch_seconds": seconds,
-        "skipped_steps": state.skipped_steps,
-        "loss_scale": loss_scale(accelerator),
-    }
+@dataclass
+class Run:
+    """Everything a run trains with, prepared by the Accelerator, and where it stands (``state``)."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    output_dir: Path
+    data: CifarData
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss_fn: LossFn
+    train_loader: DataLoader
+    train_transform: Transform
+    val_loader: DataLoader
+    test_loader: DataLoader
+    eval_transform: Transform
+    metric: evaluate.EvaluationModule
+    precision: dict[str, Any]  # the dtype report
+    state: TrainerState
+    last_checkpoint: Path | None  # the checkpoint resumed from
+    global_batch_size: int
+    learning_rate: float
 
 
-def log_epoch(accelerator: Accelerator, record: dict[str, Any]) -> None:
-    accelerator.log(
-        {
-            "train/loss": record["train_loss"],
-            "train/accuracy": record["train_accuracy"],
-            "val/loss": record["val_loss"],
-            "val/accuracy": record["val_accuracy"],
-            "learning_rate": record["learning_rate"],
-            "train/images_per_second": record["train_images_per_second"],
-            "epoch_seconds": record["epoch_seconds"],
-        },
-        step=record["epoch"],
-    )
-    logger.info(
-        f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
-        f"val loss {record['val_loss']:.4f} acc {record['val_accuracy']:.4f} | lr {record['learning_rate']:.2e} | "
-        f"{record['train_images_per_second']:.0f} img/s | {record['epoch_seconds']:.1f} s"
-    )
-
-
-def run_training(
-    config: TrainConfig, precision_source: str, train_pipeline: TrainPipeline = batch_pipeline
-) -> dict[str, Any]:
+def set_up_run(config: TrainConfig, precision_source: str, train_pipeline: TrainPipeline) -> Run:
+    """Check the input, load the data, build and prepare the model, optimizer, schedule and loaders, and restore
+    the state of a resumed run."""
     check_dataset_path(config.dataset_name)
     output_dir = prepare_output_dir(config)
     accelerator = build_accelerator(config, output_dir)
@@ -177,8 +141,7 @@ def run_training(
     accelerator.wait_for_everyone()
 
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    mixed_precision = effective_precision(accelerator)
-    fingerprint = config_fingerprint(config, mixed_precision)
+    fingerprint = config_fingerprint(config, effective_precision(accelerator))
     resume_path = (
         resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
     )
@@ -207,7 +170,7 @@ def run_training(
         model = model.to(memory_format=torch.channels_last)
     if config.torch_compile:
         model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
-    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
+    optimizer = build_optimizer(config, model, learning_rate)
     scheduler = build_scheduler(config, optimizer)
     train_loader, train_transform = train_pipeline(config, data)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
@@ -216,12 +179,13 @@ def run_training(
         model, optimizer, scheduler, train_loader, val_loader, test_loader
     )
     metric = load_metric("accuracy")
+    loss_fn = build_loss(config)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
     probe_images, probe_labels = (
         t[: config.per_device_train_batch_size].to(accelerator.device) for t in (data.val.images, data.val.labels)
     )
     report = precision_report(
-        accelerator, model, F.cross_entropy, eval_transform(probe_images), probe_labels, config.mixed_precision,
+        accelerator, model, loss_fn, eval_transform(probe_images), probe_labels, config.mixed_precision,
         precision_source,
     )  # fmt: skip
     log_precision_report(report)
@@ -229,6 +193,7 @@ def run_training(
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, fingerprint)
+        check_resumed_schedule(scheduler.scheduler, config, resume_path)
         logger.info(
             f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "
             f"best val accuracy {state.best_val_accuracy}"
@@ -245,114 +210,47 @@ def run_training(
         save_config(config, output_dir / "config.yaml")
         (output_dir / LABELS_FILE).write_text(json.dumps({"class_names": data.class_names}, indent=2))
     accelerator.init_trackers("tensorboard", config=tracker_config(config))
-    stop = StopRequest().install()
-    steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
+    return Run(
+        config=config, accelerator=accelerator, output_dir=output_dir, data=data, model=model, optimizer=optimizer,
+        scheduler=scheduler, loss_fn=loss_fn, train_loader=train_loader, train_transform=train_transform,
+        val_loader=val_loader, test_loader=test_loader, eval_transform=eval_transform, metric=metric,
+        precision=report, state=state, last_checkpoint=resume_path, global_batch_size=global_batch,
+        learning_rate=learning_rate,
+    )  # fmt: skip
 
-    def save(state: TrainerState) -> Path:
-        return save_checkpoint(accelerator, output_dir, state, keep=config.checkpoints_total_limit)
 
-    def stopped(checkpoint: Path) -> Stopped:
-        return Stopped(
-            f"stopped by {stop.name} after {state.epoch} epochs and {state.step_in_epoch} batches "
-            f"(optimizer step {state.global_step}); saved {checkpoint}; resume with --resume_from_checkpoint latest",
-            exit_code=stop.exit_code,
-        )
-
-    for epoch in range(state.epoch, config.num_train_epochs):
-        if state.should_stop_early(config.early_stopping_patience):
-            logger.info(f"early stopping: no better validation accuracy for {config.early_stopping_patience} epochs")
+def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
+    """The epoch loop: train, validate, and let the monitor close the epoch (schedule, record, save, stop)."""
+    for epoch in range(run.state.epoch, run.config.num_train_epochs):
+        if monitor.stops_early():
             break
-        epoch_start = time.perf_counter()
-        epoch_lr = scheduler.get_last_lr()[0]
-        train_loader.set_epoch(epoch)
-        loader = (
-            accelerator.skip_first_batches(train_loader, state.step_in_epoch) if state.step_in_epoch else train_loader
-        )
-        totals = torch.zeros(3, device=accelerator.device)
-        if accelerator.is_main_process:  # a resumed epoch's first part, counted once
-            totals += torch.tensor(state.epoch_totals, device=accelerator.device)
-        seconds_before = state.epoch_train_seconds
-
-        def after_step(
-            totals: torch.Tensor,
-            loss: torch.Tensor,
-            grad_norm: torch.Tensor | None,
-            epoch_start: float = epoch_start,
-            seconds_before: float = seconds_before,
-        ):
-            state.step_in_epoch += 1
-            if not accelerator.sync_gradients:  # clipping, checks and telemetry happen on optimizer steps
-                return
-            state.global_step += 1
-            check_step(accelerator, state, loss, grad_norm, config.max_consecutive_skipped_steps, output_dir)
-            if state.global_step % config.logging_steps == 0:
-                log_step(accelerator, state, loss, grad_norm, optimizer.param_groups[0]["lr"])
-            stopping = stop.requested(accelerator)
-            if stopping or (steps_between_saves and state.global_step % steps_between_saves == 0):
-                state.epoch_totals = accelerator.reduce(totals.clone(), reduction="sum").tolist()
-                state.epoch_train_seconds = seconds_before + time.perf_counter() - epoch_start
-                checkpoint = save(state)
-                if stopping:
-                    raise stopped(checkpoint)
-
+        batches = monitor.begin_epoch(epoch, run.train_loader)
         train_stats = train_one_epoch(
-            accelerator, model, loader, optimizer, train_transform, config.max_grad_norm, totals, after_step,
-            description=f"epoch {epoch + 1}/{config.num_train_epochs}",
+            run.accelerator, run.model, batches, run.optimizer, run.loss_fn, run.train_transform,
+            run.config.max_grad_norm, monitor.totals, monitor.after_step,
+            description=f"epoch {epoch + 1}/{run.config.num_train_epochs}",
         )  # fmt: skip
-        train_stats["seconds"] += seconds_before
-        val_stats = evaluate_model(accelerator, model, val_loader, eval_transform, metric)
-        scheduler.step()
-        record = epoch_record(
-            epoch + 1, train_stats, val_stats, epoch_lr, time.perf_counter() - epoch_start, accelerator, state
-        )
-        state.record_epoch(record)
-        log_epoch(accelerator, record)
-        checkpoint = save(state)
-        if stop.requested(accelerator):
-            raise stopped(checkpoint)
+        val_stats = evaluate_model(run.accelerator, run.model, run.val_loader, run.eval_transform, run.metric)
+        monitor.end_epoch(train_stats, val_stats)
 
+
+def finish_run(run: Run) -> dict[str, Any]:
+    """Test the weights with the best validation accuracy, export them as model.safetensors, write results.json."""
+    accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
     if state.best_epoch is None:
         raise InputError("no epoch was trained; raise --num_train_epochs")
-    # Test once, with the weights that had the best validation accuracy; those become model.safetensors.
     best_weights = safetensors.torch.load_file(checkpoint_dir(output_dir) / state.best_checkpoint / "model.safetensors")
-    accelerator.unwrap_model(model).load_state_dict(best_weights)
-    test_stats = evaluate_model(accelerator, model, test_loader, eval_transform, metric)
+    accelerator.unwrap_model(run.model).load_state_dict(best_weights)
+    test_stats = evaluate_model(accelerator, run.model, run.test_loader, run.eval_transform, run.metric)
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
-    accelerator.save_model(model, output_dir)
+    accelerator.save_model(run.model, output_dir)
 
-    memory, memory_measure = peak_memory(accelerator.device)
-    results = {
-        "best_val_accuracy": state.best_val_accuracy,
-        "best_epoch": state.best_epoch,
-        "test_accuracy": test_stats["accuracy"],
-        "test_loss": test_stats["loss"],
-        "test_samples": test_stats["samples"],
-        "epochs_completed": state.epoch,
-        "stopped_early": state.should_stop_early(config.early_stopping_patience),
-        "mixed_precision": mixed_precision,
-        "requested_mixed_precision": config.mixed_precision,
-        "mixed_precision_source": precision_source,
-        "train_images_per_second": sum(r["train_images"] for r in state.history)
-        / sum(r["train_seconds"] for r in state.history),
-        "seconds_per_epoch": sum(r["epoch_seconds"] for r in state.history) / len(state.history),
-        "skipped_steps": state.skipped_steps,
-        "peak_memory_mib": memory,
-        "peak_memory_measure": memory_measure,
-        "precision_report": report,
-        "num_processes": accelerator.num_processes,
-        "global_batch_size": global_batch,
-        "learning_rate": learning_rate,
-        "device": str(accelerator.device),
-        "train_samples": len(data.train),
-        "val_samples": len(data.val),
-        "history": state.history,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "accelerate": accelerate.__version__,
-            "datasets": datasets.__version__,
-        },
-    }
+    results = run_results(
+        accelerator, state, test_stats, run.precision,
+        stopped_early=state.should_stop_early(run.config.early_stopping_patience),
+        train_samples=len(run.data.train), val_samples=len(run.data.val),
+        global_batch_size=run.global_batch_size, learning_rate=run.learning_rate,
+    )  # fmt: skip
     if accelerator.is_main_process:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     accelerator.end_training()
@@ -364,7 +262,27 @@ def run_training(
     return results
 
 
-def main(argv: Sequence[str], train_pipeline: TrainPipeline = batch_pipeline) -> None:
+def run_training(
+    config: TrainConfig,
+    precision_source: str,
+    train_pipeline: TrainPipeline = batch_pipeline,
+    monitor_type: type[TrainingMonitor] = TrainingMonitor,
+) -> dict[str, Any]:
+    """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds."""
+    run = set_up_run(config, precision_source, train_pipeline)
+    monitor = monitor_type(
+        run.accelerator, config, run.state, run.optimizer, run.scheduler, run.output_dir, run.last_checkpoint
+    )
+    with monitor:
+        train_epochs(run, monitor)
+        return finish_run(run)
+
+
+def main(
+    argv: Sequence[str],
+    train_pipeline: TrainPipeline = batch_pipeline,
+    monitor_type: type[TrainingMonitor] = TrainingMonitor,
+) -> None:
     config, precision_source = load_config(argv)
     # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract.
     logging.basicConfig(
@@ -375,7 +293,7 @@ def main(argv: Sequence[str], train_pipeline: TrainPipeline = batch_pipeline) ->
     )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
     datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
-    run_training(config, precision_source, train_pipeline)
+    run_training(config, precision_source, train_pipeline, monitor_type)
 
 
 def cli() -> None:

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import GradScalerKwargs
 from PIL import Image
 from safetensors.torch import load_file
 
+from cifar_accel import train
 from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.errors import run_cli as run_main
+from cifar_accel.monitor import TrainingMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
@@ -76,6 +84,45 @@ def run_cli(
     """Run ``python -m module args`` (or ``launcher + [-m, module] + args``) in a real subprocess."""
     command = (launcher or [sys.executable]) + ["-m", module, *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def train_here(
+    capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Callable[..., subprocess.CompletedProcess]:
+    """Run ``cifar_accel.train`` in this process, as its CLI would (flags, exit code, one-line errors), with the
+    monitor type of one's choice: the policies' seam. Returns what ``run_cli`` would: exit code, the log and
+    stdout, stderr. Faster than a subprocess, which spends seconds importing torch."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+    caplog.set_level(logging.INFO)
+
+    def train_in_process(
+        args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor
+    ) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        caplog.clear()
+        try:
+            code = run_main(lambda argv: train.main(argv, monitor_type=monitor_type), args)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, caplog.text + out, err)
+
+    return train_in_process
+
+
+def fp16_accelerator(device: str, init_scale: float) -> Accelerator:
+    """Accelerate's fp16 path (autocast, loss scaling in ``backward``, unscaling in ``clip_grad_norm_``, skipped
+    steps in the optimizer) with a real GradScaler of the given scale. On a GPU this is Accelerate's own scaler;
+    Accelerate turns fp16 off on CPUs, where torch has fp16 autocast and a GradScaler too, so there it is
+    switched on before ``prepare``."""
+    if device == "cuda":
+        return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=init_scale)])
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return accelerator
 
 
 def tiny_args(dataset: Path, output_dir: Path, *extra: str) -> list[str]:

@@ -10,19 +10,19 @@ import sys
 from safetensors.torch import save_file
 
 from cifar_accel import train
-
-evaluate_model = train.evaluate_model
-saved = []
+from cifar_accel.monitor import TrainingMonitor
 
 
-def evaluate_and_save_weights(accelerator, model, *args, **kwargs):
-    stats = evaluate_model(accelerator, model, *args, **kwargs)
-    if not saved:
-        weights = {k: v.detach().clone().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-        save_file(weights, os.path.join(os.environ["RANK_WEIGHTS_DIR"], f"rank{accelerator.process_index}.safetensors"))
-        saved.append(True)
-    return stats
+class SaveEachRanksWeights(TrainingMonitor):
+    def end_epoch(self, train, val):
+        if self.state.epoch == 0:
+            (model,) = self.accelerator._models
+            weights = {
+                k: v.detach().clone().contiguous() for k, v in self.accelerator.unwrap_model(model).state_dict().items()
+            }
+            name = f"rank{self.accelerator.process_index}.safetensors"
+            save_file(weights, os.path.join(os.environ["RANK_WEIGHTS_DIR"], name))
+        return super().end_epoch(train, val)
 
 
-train.evaluate_model = evaluate_and_save_weights
-sys.exit(train.run_cli(train.main))
+sys.exit(train.run_cli(lambda argv: train.main(argv, monitor_type=SaveEachRanksWeights)))

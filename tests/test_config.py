@@ -6,10 +6,12 @@ import dataclasses
 
 import pytest
 
+from cifar_accel.checkpoint import config_fingerprint
 from cifar_accel.config import (
     DEFAULT_CONFIG_FILE,
     FIELDS,
     TrainConfig,
+    _field,
     build_parser,
     load_config,
     read_config_file,
@@ -154,3 +156,20 @@ def test_config_round_trips_through_yaml(tmp_path):
     config = dataclasses.replace(TrainConfig(), learning_rate=0.02, mixed_precision="bf16", max_train_samples=10)
     save_config(config, tmp_path / "config.yaml")
     assert TrainConfig(**read_config_file(tmp_path / "config.yaml")) == config
+
+
+def test_every_field_says_what_a_resume_may_do_with_it():
+    """The resume fingerprint is derived from the fields' metadata; a field without it cannot be declared."""
+    for name, f in FIELDS.items():
+        assert f.metadata.get("resume") in ("match", "may_change"), f"field '{name}' is unclassified"
+    fingerprint = config_fingerprint(TrainConfig(), mixed_precision="bf16")
+    assert set(fingerprint) == {name for name, f in FIELDS.items() if f.metadata["resume"] == "match"}
+    assert fingerprint["mixed_precision"] == "bf16"  # the precision in effect, not the requested one (None)
+    # Checkpoints already written hold exactly these keys; they must keep resuming.
+    assert set(fingerprint) == {
+        "dataset_name", "image_column_name", "label_column_name", "val_ratio", "max_train_samples", "seed",
+        "model_name", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "scale_lr",
+        "weight_decay", "lr_scheduler_type", "lr_step_size", "lr_gamma", "augment", "mixed_precision",
+    }  # fmt: skip
+    with pytest.raises(TypeError, match="resume"):
+        _field(1, "a field that says nothing about resuming")

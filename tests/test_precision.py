@@ -1,31 +1,26 @@
-"""Mixed precision made visible: the dtype report, clipping after unscaling, skipped steps, non-finite guards
-and gradient accumulation."""
+"""Mixed precision made visible: the dtype report, clipping after unscaling, step telemetry and gradient
+accumulation. (Skipped steps and the non-finite guards: test_monitor.py.)"""
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import GradScalerKwargs
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.nn.utils import get_total_norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from cifar_accel.checkpoint import TrainerState, complete_checkpoints
+from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.engine import training_step
-from cifar_accel.errors import RunFault
 from cifar_accel.models import build_model
-from cifar_accel.precision import check_step, precision_report
+from cifar_accel.precision import precision_report
 
-from conftest import REPO, read_results, run_cli, tiny_args
+from conftest import fp16_accelerator, read_results, tiny_args
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -34,19 +29,6 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def fresh_accelerator_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def fp16_accelerator(device: str, init_scale: float) -> Accelerator:
-    """Accelerate's fp16 path (autocast, loss scaling in ``backward``, unscaling in ``clip_grad_norm_``, skipped
-    steps in the optimizer) with a real GradScaler of the given scale. On a GPU this is Accelerate's own scaler;
-    Accelerate turns fp16 off on CPUs, where torch has fp16 autocast and a GradScaler too, so there it is
-    switched on before ``prepare``."""
-    if device == "cuda":
-        return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=init_scale)])
-    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    accelerator.native_amp = True
-    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    return accelerator
 
 
 def batch(size: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,46 +60,6 @@ def test_clipping_measures_and_clips_unscaled_gradients(device):
     assert grad_norm.item() == pytest.approx(true_norm, rel=1e-3)
     update = get_total_norm([b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]).item()
     assert update == pytest.approx(true_norm / 2, rel=1e-3)
-
-
-def test_overflows_are_skipped_and_counted_and_too_many_in_a_row_stop_the_run(tmp_path):
-    accelerator = fp16_accelerator("cpu", init_scale=1024.0)
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state, scales = TrainerState(), []
-
-    def step(overflow: bool) -> None:
-        inputs = torch.full((8, 4), float("inf") if overflow else 1.0)
-        before = model.weight.detach().clone()
-        loss, _, grad_norm = training_step(accelerator, model, optimizer, F.mse_loss, inputs, torch.zeros(8, 2))
-        state.global_step += 1
-        try:
-            check_step(accelerator, state, loss, grad_norm, max_consecutive_skipped_steps=3, output_dir=tmp_path)
-        finally:
-            scales.append(accelerator.scaler.get_scale())
-            assert torch.equal(model.weight, before) == overflow  # a skipped step leaves the weights alone
-
-    for overflow in (True, True, True, False, True, True, True):
-        step(overflow)
-    assert (state.skipped_steps, state.skipped_steps_in_a_row) == (6, 3)  # the good step reset the streak
-    with pytest.raises(RunFault, match=r"skipped 4 optimizer steps in a row \(loss scale now 8\).*--learning_rate"):
-        step(overflow=True)
-    assert scales == [512, 256, 128, 128, 64, 32, 16, 8]  # halved at each overflow, kept by the good step
-
-
-def test_without_a_scaler_a_non_finite_loss_stops_at_that_step(tmp_path):
-    accelerator = Accelerator(cpu=True)
-    model, optimizer = accelerator.prepare(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
-    state = TrainerState(epoch=2, global_step=7)
-    finite = torch.tensor(1.0)
-    check_step(accelerator, state, finite, finite, max_consecutive_skipped_steps=3, output_dir=tmp_path)
-    with pytest.raises(
-        RunFault, match=r"non-finite training loss \(nan\).* at epoch 3, optimizer step 7.*no checkpoint"
-    ):
-        check_step(accelerator, state, torch.tensor(float("nan")), finite, 3, tmp_path)
-    with pytest.raises(RunFault, match=r"gradient norm \(inf\)"):
-        check_step(accelerator, state, finite, torch.tensor(float("inf")), 3, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -180,13 +122,13 @@ def test_two_accumulated_batches_of_32_match_one_batch_of_64():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_dataset, cli_env, tmp_path):
+def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_dataset, train_here, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(
         tiny_dataset, out, "--num_train_epochs", "2", "--gradient_accumulation_steps", "2", "--scale_lr",
         "--lr_step_size", "1", "--lr_gamma", "0.5", "--logging_steps", "1", "--max_grad_norm", "1.0",
     )  # fmt: skip
-    proc = run_cli(args, cli_env)
+    proc = train_here(args)
     assert proc.returncode == 0, proc.stderr
     assert "32 per process x 1 processes x 2 accumulation steps = 64 global; learning rate 0.002 = 0.001 x 2" in (
         proc.stdout
@@ -206,21 +148,3 @@ def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_d
     assert [e.value for e in events.Scalars("step/learning_rate")] == pytest.approx([0.002] * 5 + [0.001] * 5)
     assert "step/loss_scale" not in events.Tags()["scalars"]  # no GradScaler without fp16
     assert complete_checkpoints(out)[-1].name == "step_00000010"
-
-
-def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(tiny_dataset, cli_env, tmp_path):
-    out = tmp_path / "run"
-    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4")
-    env = {**cli_env, "NAN_AT_BATCH": "13"}  # the 4th batch of epoch 2
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "nan_at_step.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 1
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: non-finite training loss (nan) or gradient norm (nan) at epoch 2, optimizer step 13")
-    assert f"resume from the newest checkpoint, {out / 'checkpoints' / 'step_00000012'} (" in line
-    assert [p.name for p in complete_checkpoints(out)] == ["step_00000009", "step_00000012"]
-    assert not (out / "results.json").exists()
-
-    resumed = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
-    assert resumed.returncode == 0, resumed.stderr
-    assert read_results(out)["epochs_completed"] == 2 and os.path.exists(out / "model.safetensors")

@@ -45,12 +45,13 @@ def uninterrupted(request, tiny_dataset, cli_env, tmp_path_factory) -> tuple[str
 
 
 @pytest.mark.parametrize(("cut", "where"), [(18, "end of epoch 2"), (20, "2 batches into epoch 3")])
-def test_resume_from_a_checkpoint_is_bitwise_exact(uninterrupted, tiny_dataset, cli_env, tmp_path, cut, where):
+def test_resume_from_a_checkpoint_is_bitwise_exact(uninterrupted, tiny_dataset, train_here, tmp_path, cut, where):
+    """The straight run is a subprocess, the resumed one runs in this process: the same numbers either way."""
     precision, straight = uninterrupted
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
     assert complete_checkpoints(resumed)[-1].name == f"step_{cut:08d}"
 
-    proc = run_cli([*run_args(tiny_dataset, resumed, precision), "--resume_from_checkpoint", "latest"], cli_env)
+    proc = train_here([*run_args(tiny_dataset, resumed, precision), "--resume_from_checkpoint", "latest"])
     assert proc.returncode == 0, proc.stderr
     assert f"2 epochs and {cut - 18} batches done" in proc.stdout
     tensors, max_diff = assert_same_run(straight, resumed)
@@ -125,23 +126,41 @@ def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_l
     print(f"{kills} SIGKILLs (one during a save), {kills} resumes from 'latest', run finished")
 
 
-def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, cli_env, tmp_path):
+def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, train_here, tmp_path):
     out = tmp_path / "run"
-    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    assert train_here(tiny_args(tiny_dataset, out, "--max_train_samples", "100")).returncode == 0
     first = read_results(out)
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
-    proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
+    proc = train_here([*args, "--resume_from_checkpoint", "latest"])
     assert proc.returncode == 0, proc.stderr
     assert "1 epochs and 0 batches done" in proc.stdout
     results = read_results(out)
     assert results["epochs_completed"] == 2 and results["history"][0] == first["history"][0]
 
 
-def test_pruning_keeps_the_newest_and_the_best(tiny_dataset, cli_env, tmp_path):
+def test_a_finished_cosine_run_is_not_extended_and_is_left_as_it_was(tiny_dataset, train_here, tmp_path):
+    """The cosine's period is the first run's epochs; more epochs would run the learning rate back up."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--lr_scheduler_type", "cosine")
+    assert train_here([*args, "--num_train_epochs", "2"]).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    proc = train_here([*args, "--num_train_epochs", "3", "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "anneals the learning rate to zero over 2 epochs" in line and "resume with --num_train_epochs 2" in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    proc = train_here([*args, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr  # the same length resumes (here: nothing left to train)
+    assert read_results(out)["epochs_completed"] == 2
+
+
+def test_pruning_keeps_the_newest_and_the_best(tiny_dataset, train_here, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3", "--checkpointing_steps", "2",
                      "--checkpoints_total_limit", "2", "--max_eval_samples", "40")  # fmt: skip
-    assert run_cli(args, cli_env).returncode == 0
+    assert train_here(args).returncode == 0
     results = read_results(out)
     best = f"step_{9 * results['best_epoch']:08d}"
     names = [p.name for p in complete_checkpoints(out)]
@@ -149,22 +168,22 @@ def test_pruning_keeps_the_newest_and_the_best(tiny_dataset, cli_env, tmp_path):
     assert best in names and len(names) == (2 if best in names[-2:] else 3)
 
 
-def test_corrupt_or_incomplete_checkpoints_are_refused_and_left_alone(tiny_dataset, cli_env, tmp_path):
+def test_corrupt_or_incomplete_checkpoints_are_refused_and_left_alone(tiny_dataset, train_here, tmp_path):
     out = tmp_path / "run"
-    assert run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "100"), cli_env).returncode == 0
+    assert train_here(tiny_args(tiny_dataset, out, "--max_train_samples", "100")).returncode == 0
     (checkpoint,) = complete_checkpoints(out)
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
 
-    proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
+    proc = train_here([*args, "--resume_from_checkpoint", "latest"])
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert f"checkpoint '{checkpoint}' cannot be loaded" in line
     assert len(weights.read_bytes()) == 1000
 
     (checkpoint / STATE_FILE).unlink()
-    proc = run_cli([*args, "--resume_from_checkpoint", str(checkpoint)], cli_env)
+    proc = train_here([*args, "--resume_from_checkpoint", str(checkpoint)])
     assert proc.returncode == 2 and "is incomplete" in proc.stderr
 
 

@@ -14,14 +14,19 @@ _KWARGS_DESCRIPTION = """
 Args:
     predictions (list of int): predicted labels.
     references (list of int): ground-truth labels.
-    average (str or None): "macro" (unweighted mean over the classes present in predictions or
-        references, the default), "micro" (over all samples), or None (one score per class).
+    labels (list of int, optional): the label set to score. Every class in it counts, including one that
+        appears in neither predictions nor references (it scores 0, as in scikit-learn). Default: the
+        classes present in predictions or references.
+    average (str or None): "macro" (unweighted mean over the label set, the default), "micro" (over all
+        samples), or None (one score per class of the label set, in its order).
 Returns:
     f1 (float, or array of float with average=None).
 Example:
     >>> metric = evaluate.load("cifar_accel/metrics/f1")
     >>> metric.compute(predictions=[0, 1, 1], references=[0, 1, 0])
     {'f1': 0.6666666666666666}
+    >>> metric.compute(predictions=[0, 1, 1], references=[0, 1, 0], labels=[0, 1, 2])
+    {'f1': 0.4444444444444444}
 """
 
 
@@ -35,11 +40,11 @@ class F1(evaluate.Metric):
             features=datasets.Features({"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}),
         )
 
-    def _compute(self, predictions, references, average="macro"):
+    def _compute(self, predictions, references, labels=None, average="macro"):
         predictions, references = np.asarray(predictions), np.asarray(references)
         if average == "micro":
             return {"f1": float((predictions == references).mean())}
-        classes = np.union1d(predictions, references)
+        classes = np.union1d(predictions, references) if labels is None else np.asarray(labels)
         scores = []
         for label in classes:
             true_positive = np.sum((predictions == label) & (references == label))

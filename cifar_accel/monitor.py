@@ -1,0 +1,190 @@
+"""The policies around the training loop, per step and per epoch, in one object.
+
+After every batch the monitor counts it; after every optimizer step it checks that the run is still finite,
+logs step telemetry, saves step checkpoints and honours a stop request (SIGINT, SIGTERM). At an epoch's end it
+steps the schedule, records and logs the epoch, saves a checkpoint and again honours a stop request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+
+from cifar_accel.checkpoint import TrainerState, save_checkpoint
+from cifar_accel.config import TrainConfig
+from cifar_accel.errors import RunFault, Stopped
+from cifar_accel.stopping import StopRequest
+from cifar_accel.telemetry import EpochRecord, log_epoch, log_step, loss_scale
+
+logger = get_logger(__name__)
+
+
+def check_step(
+    accelerator: Accelerator,
+    state: TrainerState,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    max_consecutive_skipped_steps: int,
+    last_checkpoint: Path | None,
+) -> None:
+    """After an optimizer step: count steps the GradScaler skipped; stop a run that is no longer finite.
+
+    With a GradScaler (fp16) a non-finite gradient is an overflow: the scaler skips the step and halves the
+    scale, which is expected now and then; too many in a row means the run diverged. Without one (no, bf16)
+    nothing can skip a bad step, so the first non-finite loss or gradient stops the run. The gradients were
+    averaged over processes, so every process sees the same norm and stops at the same step.
+    """
+    if accelerator.scaler is not None:
+        if not accelerator.optimizer_step_was_skipped:
+            state.skipped_steps_in_a_row = 0
+            return
+        state.skipped_steps += 1
+        state.skipped_steps_in_a_row += 1
+        if state.skipped_steps_in_a_row > max_consecutive_skipped_steps:
+            raise RunFault(
+                f"the GradScaler skipped {state.skipped_steps_in_a_row} optimizer steps in a row (loss scale now "
+                f"{accelerator.scaler.get_scale():g}) at epoch {state.epoch + 1}, optimizer step {state.global_step}: "
+                "the gradients overflow at any scale, so training diverged; "
+                + _what_to_do(last_checkpoint, "a lower --learning_rate or --mixed_precision bf16")
+            )
+        return
+    if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+        raise RunFault(
+            f"non-finite training loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at epoch "
+            f"{state.epoch + 1}, optimizer step {state.global_step}; the run stops here rather than train on NaN "
+            "weights; " + _what_to_do(last_checkpoint, "a lower --learning_rate or --max_grad_norm 1")
+        )
+
+
+def _what_to_do(last_checkpoint: Path | None, new_run: str) -> str:
+    if last_checkpoint is None:
+        return f"no checkpoint was saved yet; start a new run with {new_run}"
+    return (
+        f"resume from the newest checkpoint, {last_checkpoint} (--resume_from_checkpoint latest, perhaps with "
+        f"--max_grad_norm 1), or start a new run with {new_run}"
+    )
+
+
+class TrainingMonitor:
+    """Per-step and per-epoch policies of one run: ``begin_epoch``, ``after_step`` after every batch, and
+    ``end_epoch``. Use it as a context manager: inside, SIGINT and SIGTERM ask the run to stop (after the
+    current optimizer step, with a checkpoint) instead of killing it mid-step."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: TrainConfig,
+        state: TrainerState,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        output_dir: Path,
+        last_checkpoint: Path | None = None,
+    ) -> None:
+        self.accelerator, self.config, self.state = accelerator, config, state
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.output_dir = output_dir
+        self.last_checkpoint = last_checkpoint  # the one saved last, or resumed from: what a failure points to
+        self.steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
+        self.stop = StopRequest()
+        # The epoch under way: this process's (loss sum, correct, images), its start, training seconds carried
+        # over from before a resume, and the learning rate it trains with.
+        self.totals = torch.zeros(3, device=accelerator.device)
+        self.epoch_start = 0.0
+        self.seconds_before = 0.0
+        self.learning_rate = 0.0
+
+    def __enter__(self) -> TrainingMonitor:
+        self.stop.install()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.uninstall()
+
+    def stops_early(self) -> bool:
+        """Whether the validation accuracy has not improved for ``early_stopping_patience`` epochs."""
+        if not self.state.should_stop_early(self.config.early_stopping_patience):
+            return False
+        logger.info(f"early stopping: no better validation accuracy for {self.config.early_stopping_patience} epochs")
+        return True
+
+    def begin_epoch(self, epoch: int, train_loader: DataLoader) -> Iterable:
+        """Start the clock and the totals of ``epoch`` (counted from 0); the batches still to train on. A run
+        resumed mid-epoch skips the batches it already trained on and carries on their totals and time."""
+        self.epoch_start = time.perf_counter()
+        self.learning_rate = self.scheduler.get_last_lr()[0]
+        train_loader.set_epoch(epoch)
+        self.totals = torch.zeros(3, device=self.accelerator.device)
+        if self.accelerator.is_main_process:  # a resumed epoch's first part, counted once
+            self.totals += torch.tensor(self.state.epoch_totals, device=self.accelerator.device)
+        self.seconds_before = self.state.epoch_train_seconds
+        if self.state.step_in_epoch:
+            return self.accelerator.skip_first_batches(train_loader, self.state.step_in_epoch)
+        return train_loader
+
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """After every batch. On optimizer steps (not on accumulation-only batches): the non-finite guard, step
+        telemetry every ``logging_steps``, a checkpoint every ``checkpointing_steps``, and a stop request."""
+        state = self.state
+        state.step_in_epoch += 1
+        if not self.accelerator.sync_gradients:
+            return
+        state.global_step += 1
+        check_step(
+            self.accelerator, state, loss, grad_norm, self.config.max_consecutive_skipped_steps, self.last_checkpoint
+        )
+        if state.global_step % self.config.logging_steps == 0:
+            log_step(self.accelerator, state, loss, grad_norm, self.optimizer.param_groups[0]["lr"])
+        stopping = self.stop.requested(self.accelerator)
+        if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
+            state.epoch_totals = self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()
+            state.epoch_train_seconds = self.seconds_before + time.perf_counter() - self.epoch_start
+            self.save()
+            if stopping:
+                raise self.stopped()
+
+    def end_epoch(self, train: dict[str, float], val: dict[str, float]) -> EpochRecord:
+        """Step the epoch-wise schedule, record and log the epoch, save a checkpoint, honour a stop request."""
+        self.scheduler.step()
+        train_seconds = self.seconds_before + train["seconds"]
+        record = EpochRecord(
+            epoch=self.state.epoch + 1,
+            train_loss=train["loss"],
+            train_accuracy=train["accuracy"],
+            val_loss=val["loss"],
+            val_accuracy=val["accuracy"],
+            val_samples=val["samples"],
+            learning_rate=self.learning_rate,
+            train_images=train["images"],
+            train_seconds=train_seconds,
+            train_images_per_second=train["images"] / train_seconds,
+            epoch_seconds=time.perf_counter() - self.epoch_start,
+            skipped_steps=self.state.skipped_steps,
+            loss_scale=loss_scale(self.accelerator),
+        )
+        self.state.record_epoch(record.to_dict())
+        log_epoch(self.accelerator, record)
+        self.save()
+        if self.stop.requested(self.accelerator):
+            raise self.stopped()
+        return record
+
+    def save(self) -> Path:
+        self.last_checkpoint = save_checkpoint(
+            self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit
+        )
+        return self.last_checkpoint
+
+    def stopped(self) -> Stopped:
+        state = self.state
+        return Stopped(
+            f"stopped by {self.stop.name} after {state.epoch} epochs and {state.step_in_epoch} batches "
+            f"(optimizer step {state.global_step}); saved {self.last_checkpoint}; resume with "
+            "--resume_from_checkpoint latest",
+            exit_code=self.stop.exit_code,
+        )

@@ -1,0 +1,141 @@
+"""What a run reports: one record per epoch, step telemetry, peak memory, and the results of a finished run."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import accelerate
+import datasets
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from cifar_accel.checkpoint import TrainerState
+
+logger = get_logger(__name__)
+
+
+def _metric(tag: str, log: str) -> Any:
+    """An epoch metric that is also a tracker scalar named ``tag`` and a part ``log`` of the epoch's log line."""
+    return field(metadata={"tag": tag, "log": log})
+
+
+@dataclass
+class EpochRecord:
+    """One epoch's numbers. The same record is an entry of ``history`` (results.json, trainer_state.json), the
+    tracker scalars of the epoch (x axis: epochs) and the epoch's log line, so a metric is added here once."""
+
+    epoch: int
+    train_loss: float = _metric("train/loss", "train loss {:.4f}")
+    train_accuracy: float = _metric("train/accuracy", "acc {:.4f}")
+    val_loss: float = _metric("val/loss", "| val loss {:.4f}")
+    val_accuracy: float = _metric("val/accuracy", "acc {:.4f}")
+    val_samples: int
+    learning_rate: float = _metric("learning_rate", "| lr {:.2e}")
+    train_images: int
+    train_seconds: float
+    train_images_per_second: float = _metric("train/images_per_second", "| {:.0f} img/s")
+    epoch_seconds: float = _metric("epoch_seconds", "| {:.1f} s")
+    skipped_steps: int
+    loss_scale: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def tracker_values(self) -> dict[str, float]:
+        return {f.metadata["tag"]: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata}
+
+    def log_line(self) -> str:
+        parts = [f.metadata["log"].format(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata]
+        return f"epoch {self.epoch}: " + " ".join(parts)
+
+
+def loss_scale(accelerator: Accelerator) -> float | None:
+    return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """Peak memory in MiB: allocated by tensors on the GPU, or the process's resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20, "torch.cuda.max_memory_allocated"
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
+    return peak_kib / 1024, "peak resident set size of the main process"
+
+
+def log_step(
+    accelerator: Accelerator, state: TrainerState, loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float
+) -> None:
+    """Step telemetry (x axis: optimizer steps): this process's batch loss, the gradient norm before clipping,
+    the learning rate, and where they apply, the loss scale, skipped steps and peak GPU memory."""
+    values = {
+        "step/loss": loss.item(),
+        "step/grad_norm": grad_norm.item(),
+        "step/learning_rate": learning_rate,
+    }
+    if accelerator.scaler is not None:
+        values["step/loss_scale"] = loss_scale(accelerator)
+        values["step/skipped_steps"] = state.skipped_steps
+    if accelerator.device.type == "cuda":
+        values["step/peak_memory_mib"] = peak_memory(accelerator.device)[0]
+    accelerator.log(values, step=state.global_step)
+    logger.info(
+        f"step {state.global_step}: " + ", ".join(f"{k.removeprefix('step/')} {v:.4g}" for k, v in values.items())
+    )
+
+
+def log_epoch(accelerator: Accelerator, record: EpochRecord) -> None:
+    accelerator.log(record.tracker_values(), step=record.epoch)
+    logger.info(record.log_line())
+
+
+def run_results(
+    accelerator: Accelerator,
+    state: TrainerState,
+    test: dict[str, float],
+    precision: dict[str, Any],
+    stopped_early: bool,
+    train_samples: int,
+    val_samples: int,
+    global_batch_size: int,
+    learning_rate: float,
+) -> dict[str, Any]:
+    """The contents of results.json: the outcome, the precision in effect (``precision`` is the dtype report),
+    speed and memory, the setting, and the per-epoch history."""
+    history = [EpochRecord(**record) for record in state.history]
+    memory, memory_measure = peak_memory(accelerator.device)
+    return {
+        "best_val_accuracy": state.best_val_accuracy,
+        "best_epoch": state.best_epoch,
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "test_samples": test["samples"],
+        "epochs_completed": state.epoch,
+        "stopped_early": stopped_early,
+        "mixed_precision": precision["effective"],
+        "requested_mixed_precision": precision["requested"],
+        "mixed_precision_source": precision["requested_by"],
+        "train_images_per_second": sum(r.train_images for r in history) / sum(r.train_seconds for r in history),
+        "seconds_per_epoch": sum(r.epoch_seconds for r in history) / len(history),
+        "skipped_steps": state.skipped_steps,
+        "peak_memory_mib": memory,
+        "peak_memory_measure": memory_measure,
+        "precision_report": precision,
+        "num_processes": accelerator.num_processes,
+        "global_batch_size": global_batch_size,
+        "learning_rate": learning_rate,
+        "device": str(accelerator.device),
+        "train_samples": train_samples,
+        "val_samples": val_samples,
+        "history": state.history,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "accelerate": accelerate.__version__,
+            "datasets": datasets.__version__,
+        },
+    }

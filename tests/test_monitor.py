@@ -1,0 +1,190 @@
+"""The per-step and per-epoch policies (counting, the non-finite guard, telemetry, step checkpoints, stop
+requests, the epoch record), tested in this process on real Accelerate objects."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cifar_accel.checkpoint import STATE_FILE, TrainerState, complete_checkpoints
+from cifar_accel.config import TrainConfig
+from cifar_accel.engine import train_one_epoch, training_step
+from cifar_accel.errors import RunFault, Stopped
+from cifar_accel.monitor import TrainingMonitor, check_step
+from cifar_accel.telemetry import EpochRecord
+
+from conftest import fp16_accelerator, read_results, tiny_args
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def make_monitor(
+    tmp_path: Path, accumulation: int = 1, **config: object
+) -> tuple[TrainingMonitor, nn.Module, DataLoader]:
+    """A monitor over a small prepared model, optimizer, epoch-wise schedule and a loader of 12 batches of 4."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 3, 2, 2, generator=generator), torch.randint(0, 3, (48,), generator=generator))
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    settings = TrainConfig(output_dir=str(tmp_path), checkpoints_total_limit=100, **config)
+    monitor = TrainingMonitor(accelerator, settings, TrainerState(), optimizer, scheduler, tmp_path)
+    return monitor, model, loader
+
+
+def train_epoch(monitor: TrainingMonitor, model: nn.Module, loader: DataLoader, epoch: int = 0) -> dict:
+    batches = monitor.begin_epoch(epoch, loader)
+    return train_one_epoch(
+        monitor.accelerator, model, batches, monitor.optimizer, F.cross_entropy, lambda x: x, None, monitor.totals,
+        monitor.after_step,
+    )  # fmt: skip
+
+
+def test_after_step_counts_batches_and_optimizer_steps_and_saves_every_n_steps(tmp_path):
+    monitor, model, loader = make_monitor(tmp_path, accumulation=2, checkpointing_steps="2")
+    stats = train_epoch(monitor, model, loader)
+    state = monitor.state
+    assert (state.step_in_epoch, state.global_step) == (12, 6)  # 12 batches, 2 per optimizer step
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004", "step_00000006"]
+    saved = json.loads((tmp_path / "checkpoints" / "step_00000004" / STATE_FILE).read_text())
+    assert (saved["step_in_epoch"], saved["global_step"]) == (8, 4)
+    assert saved["epoch_totals"][2] == 32  # the images of the epoch so far, kept for a mid-epoch resume
+    assert saved["epoch_train_seconds"] > 0
+    assert stats["images"] == 48 and monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
+
+
+def test_end_epoch_steps_the_schedule_records_and_saves(tmp_path):
+    monitor, model, loader = make_monitor(tmp_path)
+    for epoch in range(2):
+        train = train_epoch(monitor, model, loader, epoch)
+        record = monitor.end_epoch(train, {"loss": 1.5 - epoch, "accuracy": 0.5 + epoch / 10, "samples": 7})
+    assert [r["learning_rate"] for r in monitor.state.history] == [0.1, 0.05]  # the rate each epoch trained with
+    assert monitor.optimizer.param_groups[0]["lr"] == 0.025
+    assert record == EpochRecord(**monitor.state.history[-1])
+    assert (record.epoch, record.val_accuracy, record.val_samples, record.train_images) == (2, 0.6, 7, 48)
+    assert monitor.state.best_checkpoint == "step_00000024" and monitor.state.step_in_epoch == 0
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000012", "step_00000024"]
+
+
+def test_the_epoch_record_is_the_one_source_of_history_tracker_scalars_and_log_line():
+    record = EpochRecord(
+        epoch=3, train_loss=1.23456, train_accuracy=0.5, val_loss=1.5, val_accuracy=0.625, val_samples=40,
+        learning_rate=0.001, train_images=288, train_seconds=2.0, train_images_per_second=144.0, epoch_seconds=2.5,
+        skipped_steps=0, loss_scale=None,
+    )  # fmt: skip
+    assert list(record.to_dict()) == [f.name for f in dataclasses.fields(EpochRecord)]
+    assert record.tracker_values() == {
+        "train/loss": 1.23456, "train/accuracy": 0.5, "val/loss": 1.5, "val/accuracy": 0.625,
+        "learning_rate": 0.001, "train/images_per_second": 144.0, "epoch_seconds": 2.5,
+    }  # fmt: skip
+    assert record.log_line() == (
+        "epoch 3: train loss 1.2346 acc 0.5000 | val loss 1.5000 acc 0.6250 | lr 1.00e-03 | 144 img/s | 2.5 s"
+    )
+
+
+def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path):
+    monitor, model, loader = make_monitor(tmp_path)
+    previous = signal.getsignal(signal.SIGTERM)
+    with monitor, pytest.raises(Stopped) as stop:
+        batches = monitor.begin_epoch(0, loader)
+        for step, (images, labels) in enumerate(batches, start=1):
+            with monitor.accelerator.accumulate(model):
+                loss, _, grad_norm = training_step(monitor.accelerator, model, monitor.optimizer, F.cross_entropy,
+                                                   images, labels)  # fmt: skip
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal: the step in progress completes
+            monitor.after_step(loss, grad_norm)
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
+    assert stop.value.exit_code == 143
+    assert str(stop.value).startswith("stopped by SIGTERM after 0 epochs and 5 batches (optimizer step 5); saved ")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005"]
+
+
+def test_overflows_are_skipped_and_counted_and_too_many_in_a_row_stop_the_run(tmp_path):
+    accelerator = fp16_accelerator("cpu", init_scale=1024.0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state, scales = TrainerState(), []
+    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+
+    def step(overflow: bool) -> None:
+        inputs = torch.full((8, 4), float("inf") if overflow else 1.0)
+        before = model.weight.detach().clone()
+        loss, _, grad_norm = training_step(accelerator, model, optimizer, F.mse_loss, inputs, torch.zeros(8, 2))
+        state.global_step += 1
+        try:
+            check_step(accelerator, state, loss, grad_norm, max_consecutive_skipped_steps=3, last_checkpoint=checkpoint)
+        finally:
+            scales.append(accelerator.scaler.get_scale())
+            assert torch.equal(model.weight, before) == overflow  # a skipped step leaves the weights alone
+
+    for overflow in (True, True, True, False, True, True, True):
+        step(overflow)
+    assert (state.skipped_steps, state.skipped_steps_in_a_row) == (6, 3)  # the good step reset the streak
+    with pytest.raises(
+        RunFault, match=r"skipped 4 optimizer steps in a row \(loss scale now 8\).*--learning_rate"
+    ) as e:
+        step(overflow=True)
+    assert f"resume from the newest checkpoint, {checkpoint} (" in str(e.value)
+    assert scales == [512, 256, 128, 128, 64, 32, 16, 8]  # halved at each overflow, kept by the good step
+
+
+def test_without_a_scaler_a_non_finite_loss_stops_at_that_step():
+    accelerator = Accelerator(cpu=True)
+    state = TrainerState(epoch=2, global_step=7)
+    finite = torch.tensor(1.0)
+    check_step(accelerator, state, finite, finite, max_consecutive_skipped_steps=3, last_checkpoint=None)
+    with pytest.raises(
+        RunFault, match=r"non-finite training loss \(nan\).* at epoch 3, optimizer step 7.*no checkpoint"
+    ):
+        check_step(accelerator, state, torch.tensor(float("nan")), finite, 3, None)
+    with pytest.raises(RunFault, match=r"gradient norm \(inf\)"):
+        check_step(accelerator, state, finite, torch.tensor(float("inf")), 3, None)
+
+
+class NaNWeightsAfterStep12(TrainingMonitor):
+    """Turns one weight tensor into NaN after optimizer step 12, so that step 13's loss and gradients are NaN."""
+
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        super().after_step(loss, grad_norm)
+        if self.state.global_step == 12:
+            with torch.no_grad():
+                self.optimizer.param_groups[0]["params"][0].fill_(float("nan"))
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4")
+    proc = train_here(args, monitor_type=NaNWeightsAfterStep12)  # 9 steps an epoch: step 13 is epoch 2's 4th
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: non-finite training loss (nan) or gradient norm (nan) at epoch 2, optimizer step 13")
+    assert f"resume from the newest checkpoint, {out / 'checkpoints' / 'step_00000012'} (" in line
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000009", "step_00000012"]
+    assert not (out / "results.json").exists()
+
+    resumed = train_here([*args, "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "1 epochs and 3 batches done" in resumed.stdout
+    assert read_results(out)["epochs_completed"] == 2 and (out / "model.safetensors").is_file()
