@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 from accelerate import Accelerator
+from accelerate.utils import load as load_pickled
 
 from cifar_accel.config import FIELDS, TrainConfig
-from cifar_accel.errors import InputError, RunFault
+from cifar_accel.errors import InputError, RunFault, one_line
 
 STATE_FILE = "trainer_state.json"
 PARTIAL_PREFIX = ".partial-"
@@ -129,33 +131,135 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: Tra
     return final
 
 
-def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
-    """The checkpoint folder named by ``--resume_from_checkpoint`` (a path, or 'latest')."""
+def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, TrainerState]:
+    """The checkpoint folder named by ``--resume_from_checkpoint`` (a path, or 'latest'), with its checked
+    trainer state."""
     if spec == "latest":
         found = complete_checkpoints(output_dir)
         if not found:
             raise InputError(
                 f"no complete checkpoint in {checkpoint_dir(output_dir)}; start without --resume_from_checkpoint"
             )
-        return found[-1]
-    path = Path(spec)
-    if not path.is_dir():
-        raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder or 'latest'")
-    if not (path / STATE_FILE).is_file():
-        raise InputError(f"checkpoint '{spec}' is incomplete (no {STATE_FILE}); resume from another one or 'latest'")
-    return path
+        path = found[-1]
+    else:
+        path = Path(spec)
+        if not path.is_dir():
+            raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder or 'latest'")
+        if not (path / STATE_FILE).is_file():
+            raise InputError(
+                f"checkpoint '{spec}' is incomplete (no {STATE_FILE}); resume from another one or 'latest'"
+            )
+    return path, read_trainer_state(path)
+
+
+MAX_COUNT = 10**9  # no real run takes this many epochs, steps or processes
 
 
 def read_trainer_state(path: Path) -> TrainerState:
+    """The trainer state of checkpoint ``path``, checked as a schema before it is used: types and ranges, the
+    optimizer step against the folder's name, and the best checkpoint against the folders that exist."""
+
+    def invalid(problem: str) -> InputError:
+        return InputError(
+            f"checkpoint '{path}' has an invalid {STATE_FILE} ({problem}); resume from another checkpoint"
+        )
+
     try:
-        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
-    except (ValueError, TypeError) as err:
-        raise InputError(f"checkpoint '{path}' has an unreadable {STATE_FILE}: {err}") from None
+        data = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(
+            f"checkpoint '{path}' has an unreadable {STATE_FILE} ({one_line(err)[:200]}); resume from another "
+            "checkpoint"
+        ) from None
+    fields = {f.name for f in dataclasses.fields(TrainerState)}
+    if not isinstance(data, dict) or set(data) != fields:
+        keys = sorted(set(data) ^ fields) if isinstance(data, dict) else ["(not a JSON object)"]
+        raise invalid(f"unexpected or missing keys: {', '.join(map(str, keys))[:200]}")
+
+    def count(name: str, low: int = 0) -> int:
+        value = data[name]
+        if type(value) is not int or not low <= value <= MAX_COUNT:
+            raise invalid(f"'{name}' must be a whole number from {low} to {MAX_COUNT}, not {str(value)[:50]!r}")
+        return value
+
+    def number(value: object, name: str, high: float = float("inf")) -> float:
+        if type(value) not in (int, float) or not 0 <= value <= high:
+            raise invalid(f"'{name}' must be a number from 0 to {high}, not {str(value)[:50]!r}")
+        return value
+
+    epoch = count("epoch")
+    for name in ("step_in_epoch", "epochs_without_improvement", "skipped_steps", "skipped_steps_in_a_row"):
+        count(name)
+    count("num_processes", low=1)
+    step = count("global_step")
+    if match := _NAME.match(path.name):
+        if int(match.group(1)) != step:
+            raise invalid(f"'global_step' is {step} but the folder is named for step {int(match.group(1))}")
+    totals = data["epoch_totals"]
+    if not isinstance(totals, list) or len(totals) != 3:
+        raise invalid("'epoch_totals' must be a list of 3 numbers")
+    for value in totals:
+        number(value, "epoch_totals")
+    number(data["epoch_train_seconds"], "epoch_train_seconds")
+    history = data["history"]
+    if not isinstance(history, list) or len(history) != epoch:
+        raise invalid(f"'history' must be a list of {epoch} epoch records")
+    for index, record in enumerate(history, start=1):
+        if not isinstance(record, dict) or record.get("epoch") != index:
+            raise invalid(f"'history' entry {index} must be the record of epoch {index}")
+        number(record.get("val_accuracy"), f"history[{index}].val_accuracy", high=1)
+    if not isinstance(data["config_fingerprint"], dict):
+        raise invalid("'config_fingerprint' must be a mapping")
+    best = data["best_checkpoint"]
+    if epoch == 0:
+        if (best, data["best_epoch"], data["best_val_accuracy"]) != (None, None, None):
+            raise invalid("a checkpoint from before the first epoch's end cannot name a best epoch")
+    else:
+        if not isinstance(best, str) or not _NAME.match(best):
+            raise invalid(f"'best_checkpoint' must name a checkpoint folder, not {str(best)[:50]!r}")
+        if not (path.parent / best / STATE_FILE).is_file():
+            raise invalid(f"its best checkpoint '{best}' does not exist next to it")
+        best_epoch = data["best_epoch"]
+        if type(best_epoch) is not int or not 1 <= best_epoch <= epoch:
+            raise invalid(f"'best_epoch' must be an epoch from 1 to {epoch}, not {str(best_epoch)[:50]!r}")
+        number(data["best_val_accuracy"], "best_val_accuracy", high=1)
+    return TrainerState(**data)
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: dict[str, Any]) -> TrainerState:
-    """Check that ``path`` fits this run, then restore everything ``save_checkpoint`` wrote."""
-    state = read_trainer_state(path)
+def check_checkpoint_files(accelerator: Accelerator, path: Path, state: TrainerState) -> None:
+    """Every file a resume reads must be there and load as plain data: the weights (safetensors), optimizer,
+    scheduler, the RNG state of each process that saved it, and the GradScaler when this run has one. Pickled
+    files are read with ``weights_only=True``, so a file whose unpickling would run code is refused."""
+    def numbered(stem: str, count: int, suffix: str) -> list[str]:  # Accelerate's names: x, x_1, x_2, ...
+        return [f"{stem}{f'_{i}' if i else ''}{suffix}" for i in range(count)]
+
+    names = [
+        *numbered("model", len(accelerator._models), ".safetensors"),
+        *numbered("optimizer", len(accelerator._optimizers), ".bin"),
+        *numbered("scheduler", len(accelerator._schedulers), ".bin"),
+        *(f"random_states_{rank}.pkl" for rank in range(state.num_processes)),
+    ]
+    if accelerator.scaler is not None:
+        names.append("scaler.pt")
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise InputError(f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint")
+        try:
+            if name.endswith(".safetensors"):
+                safetensors.torch.load_file(file)
+            else:
+                load_pickled(file, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - torch and safetensors raise many kinds for a bad file
+            raise InputError(
+                f"checkpoint '{path}': {name} cannot be read as plain tensors and numbers ({type(err).__name__}: "
+                f"{one_line(err)[:200]}); it is damaged or unsafe, resume from another checkpoint"
+            ) from None
+
+
+def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], num_processes: int) -> None:
+    """Refuse a checkpoint made with another config (see ``config_fingerprint``), or saved mid-epoch by another
+    number of processes."""
     differences = [
         f"{key}: checkpoint {state.config_fingerprint.get(key)!r}, now {value!r}"
         for key, value in fingerprint.items()
@@ -166,14 +270,20 @@ def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: dict[str,
             f"checkpoint '{path}' was made with a different config ({'; '.join(differences)}); "
             "resume with the original settings or start a new --output_dir"
         )
-    if state.num_processes != accelerator.num_processes and state.step_in_epoch:
+    if state.num_processes != num_processes and state.step_in_epoch:
         raise InputError(
             f"checkpoint '{path}' was saved mid-epoch by {state.num_processes} processes and cannot continue that "
-            f"epoch with {accelerator.num_processes}; resume it with {state.num_processes} processes, or resume an "
+            f"epoch with {num_processes}; resume it with {state.num_processes} processes, or resume an "
             "epoch-end checkpoint"
         )
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainerState) -> None:
+    """Restore everything ``save_checkpoint`` wrote into the prepared objects, after checking every file."""
+    check_checkpoint_files(accelerator, path, state)
     try:
-        accelerator.load_state(str(path))
+        accelerator.load_state(str(path), load_kwargs={"weights_only": True})
     except Exception as err:  # noqa: BLE001 - any failure here means the files are damaged
-        raise InputError(f"checkpoint '{path}' cannot be loaded ({type(err).__name__}: {err})") from None
-    return state
+        raise InputError(
+            f"checkpoint '{path}' cannot be loaded ({type(err).__name__}: {one_line(err)[:200]})"
+        ) from None

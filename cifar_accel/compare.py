@@ -11,6 +11,7 @@ memory, and for fp16 the loss scale.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -24,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.config import TrainConfig, load_config
+from cifar_accel.config import TrainConfig, load_config, read_config_file
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
+from cifar_accel.outputs import OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 
@@ -71,21 +72,31 @@ def hardware() -> dict[str, Any]:
 
 
 def same_config(run_dir: Path, config: TrainConfig) -> bool:
-    saved_file = run_dir / "config.yaml"
-    if not saved_file.exists():
+    try:
+        saved = read_config_file(run_dir / "config.yaml")
+    except InputError:  # missing or damaged: not a run of this config
         return False
-    saved = yaml.safe_load(saved_file.read_text())
     wanted = config.to_dict()
     return all(saved.get(key) == value for key, value in wanted.items() if key not in RUN_PLUMBING)
+
+
+def finished_results(run_dir: Path) -> dict[str, Any] | None:
+    """A run's results.json, or None when it is missing or unreadable (the run did not finish)."""
+    try:
+        results = json.loads((run_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return results if isinstance(results, dict) else None
 
 
 def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -> dict[str, Any]:
     """The results of one finished run: reused when present, else trained (or resumed) in a subprocess."""
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
-    if (run_dir / "results.json").exists() and same_config(run_dir, config):
+    results = finished_results(run_dir)
+    if results is not None and same_config(run_dir, config):
         logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
-        return json.loads((run_dir / "results.json").read_text())
+        return results
     if complete_checkpoints(run_dir):
         argv += ["--resume_from_checkpoint", "latest"]  # finishes, extends, or refuses a different config
     command = [sys.executable, "-m", "cifar_accel.train", *argv]
@@ -96,7 +107,10 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -
         reason = lines[-1].removeprefix("error: ") if lines else f"exit code {proc.returncode}"
         error = InputError if proc.returncode == 2 else RunFault
         raise error(f"the {precision} run (seed {seed}) in {run_dir} failed: {one_line(reason)}")
-    return json.loads((run_dir / "results.json").read_text())
+    results = finished_results(run_dir)
+    if results is None:
+        raise RunFault(f"the {precision} run (seed {seed}) in {run_dir} finished but its results.json is unreadable")
+    return results
 
 
 def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
@@ -140,6 +154,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> d
         "epoch_seconds_per_epoch": per_epoch("epoch_seconds"),
         "loss_scale_trace": {str(seed): loss_scale_trace(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
         "dtypes": results[0]["precision_report"]["dtypes"],
+        "versions": results[0]["versions"],
         "device": results[0]["device"],
     }
 
@@ -177,7 +192,7 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(title="precision")
     fig.tight_layout()
-    fig.savefig(output_dir / "curves.png")
+    save_atomic(output_dir / "curves.png", lambda temporary: fig.savefig(temporary, format="png"))
     written.append("curves.png")
 
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
@@ -189,7 +204,7 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
     memory_ax.set(title=f"peak memory ({summaries[0]['peak_memory_measure']})", ylabel="MiB")
     memory_ax.title.set_fontsize(9)
     fig.tight_layout()
-    fig.savefig(output_dir / "cost.png")
+    save_atomic(output_dir / "cost.png", lambda temporary: fig.savefig(temporary, format="png"))
     written.append("cost.png")
 
     traces = [(s["precision"], seed, t) for s in summaries for seed, t in s["loss_scale_trace"].items() if t]
@@ -200,7 +215,7 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
         ax.set(title="GradScaler loss scale", xlabel="optimizer step", ylabel="scale", yscale="log")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(output_dir / "loss_scale.png")
+        save_atomic(output_dir / "loss_scale.png", lambda temporary: fig.savefig(temporary, format="png"))
         written.append("loss_scale.png")
     plt.close("all")
     return written
@@ -253,7 +268,18 @@ def main(argv: Sequence[str]) -> None:
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file reader narrates every file
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot create '{output_dir}' ({err.strerror}); pick another --output_dir") from None
+    with OutputDirLock(output_dir):  # one comparison per folder; each training run locks its own subfolder
+        compare(args, argv, train_args, config, output_dir)
+
+
+def compare(
+    args: argparse.Namespace, argv: Sequence[str], train_args: list[str], config: TrainConfig, output_dir: Path
+) -> None:
+    """Train (or reuse) one run per precision and seed, then write the report."""
 
     skipped = {p: reason for p in args.precisions if (reason := unsupported(p))}
     for precision, reason in skipped.items():
@@ -271,11 +297,10 @@ def main(argv: Sequence[str]) -> None:
         summaries.append(summarize(precision, runs))
     add_ratios(summaries)
 
-    first = summaries[0]["runs"][str(args.seeds[0])]
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
         "hardware": hardware(),
-        "versions": json.loads((Path(first) / "results.json").read_text())["versions"],
+        "versions": summaries[0]["versions"],
         "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
         f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
         "seeds": list(dict.fromkeys(args.seeds)),
@@ -283,8 +308,8 @@ def main(argv: Sequence[str]) -> None:
         "precisions": summaries,
     }
     report["plots"] = plot(summaries, output_dir)
-    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
-    (output_dir / "report.md").write_text(markdown(report))
+    write_atomic(output_dir / "report.json", json.dumps(report, indent=2))
+    write_atomic(output_dir / "report.md", markdown(report))
     print(markdown(report))
     logger.info(f"wrote {output_dir / 'report.md'}, {output_dir / 'report.json'} and {len(report['plots'])} PNGs")
 

@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -215,32 +216,80 @@ def _check_value(name: str, value: Any, origin: str) -> Any:
     if pattern and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # a number of steps written without quotes in YAML
     if choices is not None and value not in choices:
-        raise InputError(f"{origin}: '{name}' must be one of {', '.join(map(str, choices))}, not {value!r}")
+        raise InputError(f"{origin}: '{name}' must be one of {', '.join(map(str, choices))}, not {_quote(value)}")
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        raise InputError(f"{origin}: '{name}' must be {kind.__name__}, not {type(value).__name__} ({value!r})")
+        raise InputError(f"{origin}: '{name}' must be {kind.__name__}, not {type(value).__name__} ({_quote(value)})")
     if kind is float and not math.isfinite(value):
-        raise InputError(f"{origin}: '{name}' must be a finite number, not {value!r}")
+        raise InputError(f"{origin}: '{name}' must be a finite number, not {_quote(value)}")
     if kind is str and not value.strip():
         raise InputError(f"{origin}: '{name}' must not be an empty string")
     if pattern and not re.fullmatch(pattern[0], value):
-        raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {value!r}")
+        raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {_quote(value)}")
     for bound, limit in FIELDS[name].metadata["bounds"].items():
         fails = {"ge": value < limit, "gt": value <= limit, "le": value > limit, "lt": value >= limit}[bound]
         if fails:
             symbol = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[bound]
-            raise InputError(f"{origin}: '{name}' must be {symbol} {limit}, got {value!r}")
+            raise InputError(f"{origin}: '{name}' must be {symbol} {limit}, got {_quote(value)}")
     return value
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML config file into checked values, refusing unknown keys and wrong types."""
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; anything near this is not one
+MAX_YAML_DEPTH = 8  # our keys take scalars; nesting only ever comes from a wrong file
+MAX_YAML_ALIASES = 100
+
+
+def _quote(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for error messages that must stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
+    """Refuse nesting and alias use that no config needs, before PyYAML builds anything (deep nesting would
+    exhaust its recursion, and aliases can expand a small file into a huge structure)."""
+    depth = aliases = 0
     try:
-        text = Path(path).read_text()
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise InputError(f"config file {path} nests deeper than {MAX_YAML_DEPTH} levels; it must hold a "
+                                     "flat mapping of config keys")  # fmt: skip
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+            elif isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_YAML_ALIASES:
+                    raise InputError(f"config file {path} uses more than {MAX_YAML_ALIASES} YAML aliases; write the "
+                                     "values out")  # fmt: skip
+    except yaml.YAMLError:
+        return  # safe_load reports the syntax error with its line
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config file into checked values, refusing unknown keys and wrong types.
+
+    Only a regular file of at most ``MAX_CONFIG_BYTES`` is read (a FIFO or a device could block or never end).
+    """
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"config file {path} is not a regular file; pass a YAML file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise InputError(
+                f"config file {path} is {info.st_size} bytes, more than the {MAX_CONFIG_BYTES} a config may have"
+            )
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        text = raw[:MAX_CONFIG_BYTES].decode()
     except OSError as err:
         raise InputError(f"cannot read config file {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"config file {path} is not UTF-8 text; pass a YAML file") from None
+    _check_yaml_shape(text, path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -254,7 +303,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     values = {}
     for key, value in data.items():
         if key not in FIELDS:
-            raise InputError(f"config file {path}: unknown key {str(key)!r}{_suggest(str(key), FIELDS)}")
+            raise InputError(f"config file {path}: unknown key {_quote(str(key))}{_suggest(str(key)[:100], FIELDS)}")
         values[key] = _check_value(key, value, f"config file {path}")
     return values
 
@@ -300,5 +349,6 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     return TrainConfig(**values), source
 
 
-def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+def config_yaml(config: TrainConfig) -> str:
+    """The config as the YAML text that ``read_config_file`` reads back."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, TensorDataset
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.errors import InputError
+from cifar_accel.errors import InputError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -95,38 +96,84 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
     return image_column, label_column
 
 
+# Larger images are refused before they are decoded: a 32x32 classifier needs no more, and a file that
+# declares more pixels is more likely a decompression bomb (a small file that decodes to gigabytes) than a
+# photo. 8192 x 8192 still takes any phone or camera picture.
+MAX_IMAGE_PIXELS = 8192 * 8192
+EXIF_ORIENTATION = 0x0112
+
+
+class ImageTooLarge(ValueError):
+    """An image declares more than ``MAX_IMAGE_PIXELS`` pixels."""
+
+
 def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
     """Decode an image file into a (3, 32, 32) uint8 array, converting other modes and sizes.
 
-    Returns the array and, when the image had to be converted, what it was (for example 'L 64x48').
-    Training data and the images given to ``predict`` go through this same function.
+    Returns the array and, when the image had to be converted, what it was (for example 'L 64x48', or
+    'RGB 4032x3024, EXIF-rotated' for a phone photo whose EXIF orientation was applied). Training data and the
+    images given to ``predict`` go through this same function. Raises ``ImageTooLarge`` above
+    ``MAX_IMAGE_PIXELS``, and PIL's errors for a file that is not a readable image.
     """
-    with Image.open(source) as image:
-        image.load()
-        original = f"{image.mode} {image.width}x{image.height}"
-        converted = image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
-        if converted:
-            image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
-        return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)  # refused below instead of warned about
+        with Image.open(source) as image:
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise ImageTooLarge(f"{image.width}x{image.height} pixels, more than the {MAX_IMAGE_PIXELS:,} accepted")
+            image.load()
+            original = f"{image.mode} {image.width}x{image.height}"
+            rotated = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
+            if rotated:
+                image = ImageOps.exif_transpose(image)
+                original += ", EXIF-rotated"
+            converted = rotated or image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
+            if converted:
+                image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+            return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
 
 
-def _decode_batch(batch: dict, indices: list[int], image_column: str) -> dict:
-    """Decode encoded images to (3, 32, 32) uint8 arrays."""
+def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str) -> dict:
+    """Decode encoded images to (3, 32, 32) uint8 arrays; a row that cannot be decoded is named."""
     pixels, converted = [], []
     for index, image in zip(indices, batch[image_column], strict=True):
+        if image is None or (image["bytes"] is None and image["path"] is None):
+            raise InputError(f"{split} image {index} (column '{image_column}') is empty; fix or drop that row")
         try:
             array, original = to_rgb32(io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"])
-        except (UnidentifiedImageError, OSError) as err:
-            raise InputError(f"image {index} of column '{image_column}' cannot be decoded: {err}") from None
+        except Exception as err:  # noqa: BLE001 - PIL raises many kinds for a broken file
+            raise InputError(
+                f"{split} image {index} (column '{image_column}') cannot be decoded ({type(err).__name__}: "
+                f"{one_line(err)[:200]}); fix or drop that row"
+            ) from None
         pixels.append(array)
         converted.append(original is not None)
     return {"pixels": pixels, "converted": converted}
+
+
+def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
+    """Labels must be whole class numbers: refuse empty cells, strings and fractions, naming the first row."""
+    feature = dataset.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        return
+    for index, label in enumerate(dataset.with_format("arrow")[label_column].to_pylist()):
+        if label is None:
+            problem = "is empty"
+        elif isinstance(label, str):
+            problem = f"is the string {label[:40]!r}; labels must be class numbers (or a ClassLabel column)"
+        elif isinstance(label, float) and not label.is_integer():
+            problem = f"is {label}, not a whole class number"
+        elif not isinstance(label, int | float) or isinstance(label, bool):
+            problem = f"is a {type(label).__name__}, not a class number"
+        else:
+            continue
+        raise InputError(f"{split} label {index} (column '{label_column}') {problem}; fix that row or the column")
 
 
 def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str, split: str) -> Split:
     """One split as uint8 tensors; the decoded copy is cached by `datasets`."""
     if len(dataset) == 0:
         raise InputError(f"the '{split}' split is empty; point --dataset_name at a dataset with images in it")
+    check_label_values(dataset, label_column, split)
     dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
     features = datasets.Features(
         {
@@ -140,7 +187,7 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
         _decode_batch,
         batched=True,
         with_indices=True,
-        fn_kwargs={"image_column": image_column},
+        fn_kwargs={"image_column": image_column, "split": split},
         remove_columns=[c for c in dataset.column_names if c != label_column],
         features=features,
     ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64

@@ -8,6 +8,7 @@ A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoi
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -36,14 +37,41 @@ class ArgumentParser(argparse.ArgumentParser):
         raise InputError(f"{message} (see --help)")
 
 
+MAX_ERROR_CHARACTERS = 2000
+
+
 def one_line(message: object) -> str:
-    """``message`` as a single line, whatever characters it holds."""
-    return " ".join(str(message).splitlines())
+    """``message`` as a single line, whatever characters it holds, cut to ``MAX_ERROR_CHARACTERS``."""
+    line = " ".join(str(message).splitlines())
+    return line if len(line) <= MAX_ERROR_CHARACTERS else line[:MAX_ERROR_CHARACTERS] + "..."
+
+
+class _StdoutHandler(logging.Handler):
+    """Writes to whatever ``sys.stdout`` is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stdout)
+
+
+def keep_stderr_for_errors() -> None:
+    """Send what libraries would print on stderr to stdout instead: Python warnings (torch's, PIL's, ...) as
+    log lines, and the log handlers that `datasets`, `evaluate` and `huggingface_hub` install for themselves."""
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger("py.warnings")
+    if not any(isinstance(h, _StdoutHandler) for h in warnings_logger.handlers):
+        warnings_logger.addHandler(_StdoutHandler())
+        warnings_logger.propagate = False
+    for name in ("datasets", "evaluate", "huggingface_hub"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+                handler.setStream(sys.stdout)
 
 
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
-    """Run ``main(argv)`` and turn exceptions into the exit-code contract."""
+    """Run ``main(argv)`` and turn exceptions into the exit-code contract: one line on stderr for a failure,
+    with at most ``MAX_ERROR_CHARACTERS`` characters."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_stderr_for_errors()
     debug = "--debug" in argv
     try:
         main(argv)

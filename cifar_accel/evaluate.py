@@ -20,9 +20,10 @@ from accelerate import Accelerator
 
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, InputError, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
 from cifar_accel.inference import load_trained_model
 from cifar_accel.metrics import load_metric
+from cifar_accel.outputs import save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision
 from cifar_accel.transforms import BatchTransform
@@ -103,7 +104,7 @@ def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], ti
                     color="white" if fractions[i, j] > 0.5 else "black")  # fmt: skip
     fig.colorbar(image, ax=ax, label="fraction of the true class")
     fig.tight_layout()
-    fig.savefig(path)
+    save_atomic(path, lambda temporary: fig.savefig(temporary, format="png"))
     plt.close(fig)
     return True
 
@@ -117,6 +118,9 @@ def main(argv: Sequence[str]) -> None:
     datasets.disable_progress_bars()
     trained = load_trained_model(args.model)
     run = trained.config
+    output_dir = Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise InputError(f"--output_dir '{output_dir}' is a file, not a folder; pick another --output_dir")
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
     with accelerator.main_process_first():
         split, class_names = load_split(
@@ -141,9 +145,11 @@ def main(argv: Sequence[str]) -> None:
         num_processes=accelerator.num_processes,
     )  # fmt: skip
     if accelerator.is_main_process:
-        output_dir = Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFault(f"cannot create {output_dir} ({err.strerror}); pick another --output_dir") from None
+        write_atomic(output_dir / "metrics.json", json.dumps(report, indent=2))
         title = f"{trained.weights.parent.name}, {args.split}: accuracy {report['accuracy']:.4f}"
         plotted = plot_confusion_matrix(
             report["confusion_matrix"], trained.class_names, title, output_dir / "confusion_matrix.png"

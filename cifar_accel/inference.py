@@ -38,6 +38,20 @@ def find_run_dir(weights: Path) -> Path:
     )
 
 
+def read_class_names(path: Path) -> list[str]:
+    """The class names a run wrote to labels.json; a damaged file is refused in one line."""
+    try:
+        names = json.loads(path.read_text())["class_names"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(
+            f"{path} cannot be read ({type(err).__name__}: {one_line(err)[:200]}); it must hold "
+            '{"class_names": [...]} as the training run wrote it'
+        ) from None
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        raise InputError(f"{path}: 'class_names' must be a non-empty list of strings")
+    return names
+
+
 def load_trained_model(path: str | Path) -> TrainedModel:
     """Build the run's architecture and load its weights (safetensors only) from a run, checkpoint or file."""
     path = Path(path)
@@ -48,7 +62,7 @@ def load_trained_model(path: str | Path) -> TrainedModel:
         raise InputError(f"'{weights}' is not a .safetensors file; only safetensors weights are loaded")
     run_dir = find_run_dir(weights)
     config = TrainConfig(**read_config_file(run_dir / "config.yaml"))
-    class_names = json.loads((run_dir / LABELS_FILE).read_text())["class_names"]
+    class_names = read_class_names(run_dir / LABELS_FILE)
     model = build_model(config.model_name, num_classes=len(class_names))
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)

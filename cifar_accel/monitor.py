@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from cifar_accel.checkpoint import TrainerState, save_checkpoint
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import RunFault, Stopped
+from cifar_accel.outputs import discard_replaced_run
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import EpochRecord, log_epoch, log_step, loss_scale
 
@@ -73,8 +74,9 @@ def _what_to_do(last_checkpoint: Path | None, new_run: str) -> str:
 
 class TrainingMonitor:
     """Per-step and per-epoch policies of one run: ``begin_epoch``, ``after_step`` after every batch, and
-    ``end_epoch``. Use it as a context manager: inside, SIGINT and SIGTERM ask the run to stop (after the
-    current optimizer step, with a checkpoint) instead of killing it mid-step."""
+    ``end_epoch``. A SIGINT or SIGTERM recorded by ``stop`` ends the run after the current optimizer step, with
+    a checkpoint. An earlier run set aside by --overwrite_output_dir (``replaced_run``) is deleted once this
+    run's first checkpoint is written."""
 
     def __init__(
         self,
@@ -84,27 +86,23 @@ class TrainingMonitor:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         output_dir: Path,
+        stop: StopRequest,
         last_checkpoint: Path | None = None,
+        replaced_run: Path | None = None,
     ) -> None:
         self.accelerator, self.config, self.state = accelerator, config, state
         self.optimizer, self.scheduler = optimizer, scheduler
         self.output_dir = output_dir
         self.last_checkpoint = last_checkpoint  # the one saved last, or resumed from: what a failure points to
         self.steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
-        self.stop = StopRequest()
+        self.stop = stop
+        self.replaced_run = replaced_run
         # The epoch under way: this process's (loss sum, correct, images), its start, training seconds carried
         # over from before a resume, and the learning rate it trains with.
         self.totals = torch.zeros(3, device=accelerator.device)
         self.epoch_start = 0.0
         self.seconds_before = 0.0
         self.learning_rate = 0.0
-
-    def __enter__(self) -> TrainingMonitor:
-        self.stop.install()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.uninstall()
 
     def stops_early(self) -> bool:
         """Whether the validation accuracy has not improved for ``early_stopping_patience`` epochs."""
@@ -178,6 +176,9 @@ class TrainingMonitor:
         self.last_checkpoint = save_checkpoint(
             self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit
         )
+        if self.replaced_run is not None and self.accelerator.is_main_process:
+            discard_replaced_run(self.output_dir)
+            self.replaced_run = None
         return self.last_checkpoint
 
     def stopped(self) -> Stopped:

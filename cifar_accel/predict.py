@@ -7,16 +7,17 @@ output says so), then the top-k classes are printed as a table or as JSON lines.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import ArgumentParser, InputError, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, one_line, run_cli
 from cifar_accel.inference import load_trained_model
 from cifar_accel.transforms import BatchTransform
 
@@ -35,19 +36,30 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def image_files(paths: Sequence[str]) -> list[Path]:
-    files = []
+def image_files(paths: Sequence[str]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The image files to classify (files named directly, and the regular image files directly inside a named
+    folder), and what else a folder held, with why it was skipped: subfolders, FIFOs, sockets and devices are
+    never opened, so nothing blocks."""
+    files, skipped = [], []
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            for entry in sorted(path.iterdir()):
+                if not entry.is_file():
+                    skipped.append((entry, "not a regular file"))
+                elif entry.suffix.lower() not in IMAGE_SUFFIXES:
+                    skipped.append((entry, "not an image file name"))
+                else:
+                    files.append(entry)
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise InputError(f"'{name}' is not a regular file or a folder; pass image files or folders of images")
         else:
             raise InputError(f"'{name}' does not exist; pass image files or folders of images")
     if not files:
         raise InputError(f"no image files found in {', '.join(paths)}")
-    return files
+    return files, skipped
 
 
 def read_images(files: list[Path]) -> tuple[torch.Tensor, list[str | None]]:
@@ -56,8 +68,8 @@ def read_images(files: list[Path]) -> tuple[torch.Tensor, list[str | None]]:
     for file in files:
         try:
             array, original = to_rgb32(file)
-        except (UnidentifiedImageError, OSError) as err:
-            raise InputError(f"cannot read image '{file}': {err}") from None
+        except Exception as err:  # noqa: BLE001 - PIL raises many kinds for a broken file
+            raise InputError(f"cannot read image '{file}' ({type(err).__name__}: {one_line(err)[:200]})") from None
         arrays.append(torch.tensor(array))
         originals.append(original)
     return torch.stack(arrays), originals
@@ -65,10 +77,11 @@ def read_images(files: list[Path]) -> tuple[torch.Tensor, list[str | None]]:
 
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     if args.top_k < 1:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
     trained = load_trained_model(args.model)
-    files = image_files(args.images)
+    files, skipped = image_files(args.images)
     images, originals = read_images(files)
     accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
     model = accelerator.prepare(trained.model)
@@ -89,6 +102,9 @@ def main(argv: Sequence[str]) -> None:
             ranked = "  ".join(f"{c} {float(p):.3f}" for c, p in zip(classes, scores, strict=True))
             note = f"  (converted from {original} to RGB 32x32)" if original else ""
             print(f"{file}: {ranked}{note}")
+    for entry, reason in skipped:
+        print(json.dumps({"file": str(entry), "skipped": reason}) if args.format == "jsonl" else
+              f"{entry}: skipped, {reason}")  # fmt: skip
 
 
 def cli() -> None:

@@ -1,4 +1,10 @@
-"""Graceful stop: SIGINT or SIGTERM asks the run to stop after the current optimizer step."""
+"""Stopping on request: SIGINT or SIGTERM, whenever it arrives.
+
+While a run is being set up (loading and decoding data, building the model) nothing of it is written yet, so a
+signal stops it at once. Once it writes, a signal is recorded instead and the run stops at the next safe point:
+after the current optimizer step with a checkpoint, or after the final test and export. A second SIGINT stops
+at once.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +14,37 @@ from types import FrameType
 import torch
 from accelerate import Accelerator
 
+from cifar_accel.errors import Stopped
+
 
 class StopRequest:
-    """Records SIGINT/SIGTERM instead of dying mid-step; a second SIGINT stops at once."""
+    """SIGINT/SIGTERM handling for one run; use it as a context manager around the run."""
 
     def __init__(self) -> None:
         self.signal_number = 0
+        self.immediate = True  # until ``defer``: stop at once
         self._previous: dict[int, object] = {}
 
-    def install(self) -> StopRequest:
+    def __enter__(self) -> StopRequest:
         for number in (signal.SIGINT, signal.SIGTERM):
             self._previous[number] = signal.signal(number, self._record)
         return self
 
-    def uninstall(self) -> None:
-        """Put back the handlers that were there before ``install``."""
+    def __exit__(self, *exc_info: object) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
 
+    def defer(self) -> None:
+        """From now on a signal is recorded and honoured at the next safe point (``requested``)."""
+        self.immediate = False
+
     def _record(self, number: int, frame: FrameType | None) -> None:
+        if self.immediate:
+            self.signal_number = number
+            raise Stopped(
+                f"stopped by {self.name} before training started; nothing of the run was written", self.exit_code
+            )
         if number == signal.SIGINT and self.signal_number == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_number = number

@@ -7,7 +7,8 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,27 +20,31 @@ import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.checkpoint import (
     TrainerState,
+    check_resume,
     checkpoint_dir,
     config_fingerprint,
     load_checkpoint,
     remove_partial_checkpoints,
     resolve_checkpoint,
 )
-from cifar_accel.config import TrainConfig, load_config, save_config
+from cifar_accel.config import TrainConfig, config_yaml, load_config
 from cifar_accel.data import LABELS_FILE, CifarData, check_dataset_path, load_data, make_loader
 from cifar_accel.engine import LossFn, Transform, evaluate_model, train_one_epoch
-from cifar_accel.errors import InputError, run_cli
+from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
+from cifar_accel.inference import WEIGHTS_FILE
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
+from cifar_accel.outputs import OutputDirLock, save_atomic, set_aside_earlier_run, write_atomic
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
+from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
 from cifar_accel.transforms import BatchTransform
 
@@ -55,8 +60,8 @@ def batch_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Tr
     return loader, BatchTransform(augment=config.augment, channels_last=config.channels_last)
 
 
-def prepare_output_dir(config: TrainConfig) -> Path:
-    """Make sure ``output_dir`` is writable and holds no other run's results (unless told otherwise)."""
+def make_output_dir(config: TrainConfig) -> Path:
+    """Create ``output_dir`` if needed and make sure it is writable."""
     output_dir = Path(config.output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -67,13 +72,37 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         raise InputError(
             f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
         ) from None
+    return output_dir
+
+
+def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
+    """Refuse a folder that holds another run's results, unless told to resume or replace it."""
     earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
     if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
         raise InputError(
             f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
             "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
         )
-    return output_dir
+
+
+@contextmanager
+def exclusive_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[None]:
+    """Hold the folder's lock (on the main process) for the whole run; every process hears of a refusal."""
+    lock = OutputDirLock(output_dir)
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            lock.acquire()
+        except InputError as err:
+            refusal = str(err)
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise InputError(refusal)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
@@ -125,26 +154,19 @@ class Run:
     learning_rate: float
 
 
-def set_up_run(config: TrainConfig, precision_source: str, train_pipeline: TrainPipeline) -> Run:
-    """Check the input, load the data, build and prepare the model, optimizer, schedule and loaders, and restore
-    the state of a resumed run."""
-    check_dataset_path(config.dataset_name)
-    output_dir = prepare_output_dir(config)
-    accelerator = build_accelerator(config, output_dir)
-    if accelerator.is_main_process:
-        if config.overwrite_output_dir and config.resume_from_checkpoint is None:
-            for stale in ("checkpoints", "logs"):
-                if (output_dir / stale).exists():
-                    logger.info(f"--overwrite_output_dir: removing the earlier run's {output_dir / stale}")
-                    shutil.rmtree(output_dir / stale)
-        remove_partial_checkpoints(output_dir)
-    accelerator.wait_for_everyone()
-
+def set_up_run(
+    config: TrainConfig, accelerator: Accelerator, output_dir: Path, precision_source: str,
+    train_pipeline: TrainPipeline,
+) -> Run:  # fmt: skip
+    """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
+    restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
+    check_earlier_run(config, output_dir)
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     fingerprint = config_fingerprint(config, effective_precision(accelerator))
-    resume_path = (
-        resolve_checkpoint(config.resume_from_checkpoint, output_dir) if config.resume_from_checkpoint else None
-    )
+    resume_path, resumed = None, None
+    if config.resume_from_checkpoint:
+        resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
+        check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
 
     set_seed(config.seed)
     with accelerator.main_process_first():
@@ -178,6 +200,12 @@ def set_up_run(config: TrainConfig, precision_source: str, train_pipeline: Train
     model, optimizer, scheduler, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, scheduler, train_loader, val_loader, test_loader
     )
+    if config.gradient_accumulation_steps > len(train_loader):
+        raise InputError(
+            f"--gradient_accumulation_steps {config.gradient_accumulation_steps} is more than the "
+            f"{len(train_loader)} batches an epoch has on each process, so no optimizer step would see the global "
+            f"batch of {global_batch}; use at most {len(train_loader)}, or a smaller --per_device_train_batch_size"
+        )
     metric = load_metric("accuracy")
     loss_fn = build_loss(config)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
@@ -192,8 +220,9 @@ def set_up_run(config: TrainConfig, precision_source: str, train_pipeline: Train
 
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
-        state = load_checkpoint(accelerator, resume_path, fingerprint)
+        load_checkpoint(accelerator, resume_path, resumed)
         check_resumed_schedule(scheduler.scheduler, config, resume_path)
+        state = resumed
         logger.info(
             f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "
             f"best val accuracy {state.best_val_accuracy}"
@@ -206,10 +235,6 @@ def set_up_run(config: TrainConfig, precision_source: str, train_pipeline: Train
                 "schedule continue from the checkpoint"
             )
             state.num_processes = accelerator.num_processes
-    if accelerator.is_main_process:
-        save_config(config, output_dir / "config.yaml")
-        (output_dir / LABELS_FILE).write_text(json.dumps({"class_names": data.class_names}, indent=2))
-    accelerator.init_trackers("tensorboard", config=tracker_config(config))
     return Run(
         config=config, accelerator=accelerator, output_dir=output_dir, data=data, model=model, optimizer=optimizer,
         scheduler=scheduler, loss_fn=loss_fn, train_loader=train_loader, train_transform=train_transform,
@@ -234,6 +259,22 @@ def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
         monitor.end_epoch(train_stats, val_stats)
 
 
+def export_weights(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
+    """``accelerator.save_model`` into a staging folder, then one atomic rename to ``model.safetensors``."""
+    staging = output_dir / f".export-{os.getpid()}"
+    try:
+        accelerator.save_model(model, staging)
+        if accelerator.is_main_process:
+            save_atomic(output_dir / WEIGHTS_FILE, lambda temporary: (staging / WEIGHTS_FILE).rename(temporary))
+    except OSError as err:
+        raise RunFault(
+            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); free space and run again with "
+            "--resume_from_checkpoint latest"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def finish_run(run: Run) -> dict[str, Any]:
     """Test the weights with the best validation accuracy, export them as model.safetensors, write results.json."""
     accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
@@ -243,7 +284,7 @@ def finish_run(run: Run) -> dict[str, Any]:
     accelerator.unwrap_model(run.model).load_state_dict(best_weights)
     test_stats = evaluate_model(accelerator, run.model, run.test_loader, run.eval_transform, run.metric)
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
-    accelerator.save_model(run.model, output_dir)
+    export_weights(accelerator, run.model, output_dir)
 
     results = run_results(
         accelerator, state, test_stats, run.precision,
@@ -252,8 +293,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         global_batch_size=run.global_batch_size, learning_rate=run.learning_rate,
     )  # fmt: skip
     if accelerator.is_main_process:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    accelerator.end_training()
+        write_atomic(output_dir / "results.json", json.dumps(results, indent=2))
     logger.info(
         f"test accuracy {results['test_accuracy']:.4f} (best validation {results['best_val_accuracy']:.4f} at epoch "
         f"{results['best_epoch']}); model.safetensors, results.json, config.yaml, checkpoints/ and logs/ are in "
@@ -262,20 +302,59 @@ def finish_run(run: Run) -> dict[str, Any]:
     return results
 
 
+def open_run_outputs(run: Run) -> Path | None:
+    """The run's first writes, once every input check has passed: set an earlier run aside (with
+    --overwrite_output_dir; returns where), clear partial checkpoints, write config.yaml and labels.json, and
+    start the trackers."""
+    accelerator, config, output_dir = run.accelerator, run.config, run.output_dir
+    replaced = None
+    if accelerator.is_main_process:
+        if config.overwrite_output_dir and config.resume_from_checkpoint is None:
+            replaced = set_aside_earlier_run(output_dir)
+            if replaced is not None:
+                logger.info(f"--overwrite_output_dir: the earlier run waits in {replaced} until the first checkpoint")
+        remove_partial_checkpoints(output_dir)
+        write_atomic(output_dir / "config.yaml", config_yaml(config))
+        write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers("tensorboard", config=tracker_config(config))
+    return replaced
+
+
 def run_training(
     config: TrainConfig,
     precision_source: str,
     train_pipeline: TrainPipeline = batch_pipeline,
     monitor_type: type[TrainingMonitor] = TrainingMonitor,
 ) -> dict[str, Any]:
-    """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds."""
-    run = set_up_run(config, precision_source, train_pipeline)
-    monitor = monitor_type(
-        run.accelerator, config, run.state, run.optimizer, run.scheduler, run.output_dir, run.last_checkpoint
-    )
-    with monitor:
-        train_epochs(run, monitor)
-        return finish_run(run)
+    """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds.
+
+    A SIGINT or SIGTERM stops the set-up at once, since nothing is written yet; from the first write on, it
+    stops the run after the current optimizer step with a checkpoint, or after the final test and export.
+    """
+    with StopRequest() as stop:
+        check_dataset_path(config.dataset_name)
+        output_dir = make_output_dir(config)
+        accelerator = build_accelerator(config, output_dir)
+        with exclusive_output_dir(accelerator, output_dir):
+            run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
+            stop.defer()
+            replaced = open_run_outputs(run)
+            monitor = monitor_type(
+                accelerator, config, run.state, run.optimizer, run.scheduler, output_dir, stop, run.last_checkpoint,
+                replaced,
+            )  # fmt: skip
+            train_epochs(run, monitor)
+            results = finish_run(run)
+            stopping = stop.requested(accelerator)
+            accelerator.end_training()  # also ends the process group of several processes
+            if stopping:
+                raise Stopped(
+                    f"stopped by {stop.name} during the final test and export, which were completed first: "
+                    f"results.json and model.safetensors are in {output_dir}",
+                    exit_code=stop.exit_code,
+                )
+            return results
 
 
 def main(

@@ -22,6 +22,7 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.engine import train_one_epoch, training_step
 from cifar_accel.errors import RunFault, Stopped
 from cifar_accel.monitor import TrainingMonitor, check_step
+from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import EpochRecord
 
 from conftest import fp16_accelerator, read_results, tiny_args
@@ -48,7 +49,7 @@ def make_monitor(
     loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     settings = TrainConfig(output_dir=str(tmp_path), checkpoints_total_limit=100, **config)
-    monitor = TrainingMonitor(accelerator, settings, TrainerState(), optimizer, scheduler, tmp_path)
+    monitor = TrainingMonitor(accelerator, settings, TrainerState(), optimizer, scheduler, tmp_path, StopRequest())
     return monitor, model, loader
 
 
@@ -105,7 +106,8 @@ def test_the_epoch_record_is_the_one_source_of_history_tracker_scalars_and_log_l
 def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path):
     monitor, model, loader = make_monitor(tmp_path)
     previous = signal.getsignal(signal.SIGTERM)
-    with monitor, pytest.raises(Stopped) as stop:
+    with monitor.stop, pytest.raises(Stopped) as stop:
+        monitor.stop.defer()  # as once the run writes: record the signal, stop at the next optimizer step
         batches = monitor.begin_epoch(0, loader)
         for step, (images, labels) in enumerate(batches, start=1):
             with monitor.accelerator.accumulate(model):

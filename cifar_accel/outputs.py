@@ -1,0 +1,113 @@
+"""Writing into an output folder without losing anything: atomic files, one run per folder, and an earlier
+run that is replaced only once the new one has a checkpoint."""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from cifar_accel.errors import InputError, RunFault
+
+LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
+REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
+# What a training run writes into its folder, and --overwrite_output_dir sets aside.
+RUN_FILES = ("checkpoints", "logs", "results.json", "model.safetensors", "config.yaml", "labels.json")
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``path`` through a temporary file in the same folder, flushed to disk and renamed over it, so the
+    file is either the old one or the whole new one. A failure (a full disk) is one line, exit code 1."""
+    save_atomic(path, lambda temporary: temporary.write_bytes(data.encode() if isinstance(data, str) else data))
+
+
+def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(temporary_path)``, then flush and rename it to ``path`` (see ``write_atomic``)."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except OSError as err:
+        temporary.unlink(missing_ok=True)
+        raise RunFault(
+            f"writing {path} failed ({err.strerror or err}); free space on that disk and run again"
+        ) from None
+
+
+class OutputDirLock:
+    """An exclusive advisory lock (``flock``) on the output folder itself, held for the whole run.
+
+    The kernel releases it when the process ends, however it ends, so a run killed with SIGKILL never leaves a
+    stale lock behind. While it holds the lock the run writes its pid, host and start time to ``.lock`` in the
+    folder, so that a second run can say who holds it; the file goes when the lock is released.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise InputError(
+                f"'{self.folder}' is in use by another run ({self._holder()}); wait for it to finish, or pick "
+                "another --output_dir"
+            ) from None
+        self._fd = fd
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+        (self.folder / LOCK_INFO).write_text(json.dumps(info))
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads((self.folder / LOCK_INFO).read_text())
+            return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its details are not written yet"
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        (self.folder / LOCK_INFO).unlink(missing_ok=True)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> OutputDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def set_aside_earlier_run(folder: Path) -> Path | None:
+    """Move an earlier run's files (``RUN_FILES``) into ``.replaced-run/``, where they stay until the new run
+    has written its first checkpoint (``discard_replaced_run``); returns that folder, or None if there was no
+    earlier run. Other files in the folder are left alone."""
+    earlier = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    aside = folder / REPLACED_RUN
+    if not earlier:
+        return aside if aside.exists() else None
+    if aside.exists():  # the earlier run is set aside already; what is here is a run that never saved a checkpoint
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return aside
+    aside.mkdir()
+    for path in earlier:
+        path.rename(aside / path.name)
+    return aside
+
+
+def discard_replaced_run(folder: Path) -> None:
+    shutil.rmtree(folder / REPLACED_RUN, ignore_errors=True)
