@@ -230,6 +230,7 @@ def check_checkpoint_files(accelerator: Accelerator, path: Path, state: TrainerS
     """Every file a resume reads must be there and load as plain data: the weights (safetensors), optimizer,
     scheduler, the RNG state of each process that saved it, and the GradScaler when this run has one. Pickled
     files are read with ``weights_only=True``, so a file whose unpickling would run code is refused."""
+
     def numbered(stem: str, count: int, suffix: str) -> list[str]:  # Accelerate's names: x, x_1, x_2, ...
         return [f"{stem}{f'_{i}' if i else ''}{suffix}" for i in range(count)]
 

@@ -18,8 +18,9 @@ class InputError(Exception):
     """Something the user gave us is wrong; the message says what and how to fix it."""
 
 
-class Stopped(Exception):
-    """The run was stopped on request (SIGINT, SIGTERM) after saving a checkpoint."""
+class Stopped(BaseException):
+    """The run was stopped on request (SIGINT, SIGTERM). Like KeyboardInterrupt it is not an error, so the
+    ``except Exception`` around a decode or a file check cannot mistake it for one."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -54,6 +55,36 @@ def write_hub_dataset(root: Path, train_size: int, test_size: int) -> Path:
     return root
 
 
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with a hash of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def write_split_files(root: Path, train: datasets.Dataset, test: datasets.Dataset) -> Path:
+    (root / "data").mkdir(parents=True)
+    train.to_parquet(root / "data" / "train-00000-of-00001.parquet")
+    test.to_parquet(root / "data" / "test-00000-of-00001.parquet")
+    return root
+
+
+FEATURES = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})
+
+
+def good_split(count: int = 40, seed: int = 0) -> datasets.Dataset:
+    images, labels = make_images(count, seed)
+    return datasets.Dataset.from_dict({"img": images, "label": labels}, features=FEATURES)
+
+
+def corrupt_dataset(root: Path) -> Path:
+    images, labels = make_images(40, 0)
+    encoded = [datasets.Image().encode_example(image) for image in images]
+    encoded[17] = {"bytes": b"this is not an image", "path": None}
+    train = datasets.Dataset.from_dict({"img": encoded, "label": labels}, features=FEATURES)
+    return write_split_files(root, train, good_split(20, 1))
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """327 training and 83 test images: odd sizes, so the last batches are uneven."""
@@ -86,6 +117,18 @@ def run_cli(
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def reset_accelerate_state() -> None:
+    """Forget the Accelerator of a test: its state is a process-wide singleton."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    reset_accelerate_state()
+
+
 @pytest.fixture
 def train_here(
     capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -104,8 +147,7 @@ def train_here(
         try:
             code = run_main(lambda argv: train.main(argv, monitor_type=monitor_type), args)
         finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
+            reset_accelerate_state()
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, caplog.text + out, err)
 

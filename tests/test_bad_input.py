@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -12,37 +11,18 @@ import datasets
 import pytest
 from PIL import Image
 
-from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` with a hash of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
-    }
-
-
-def write_split_files(root: Path, train: datasets.Dataset, test: datasets.Dataset) -> Path:
-    (root / "data").mkdir(parents=True)
-    train.to_parquet(root / "data" / "train-00000-of-00001.parquet")
-    test.to_parquet(root / "data" / "test-00000-of-00001.parquet")
-    return root
-
-
-FEATURES = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})
-
-
-def good_split(count: int = 40, seed: int = 0) -> datasets.Dataset:
-    images, labels = make_images(count, seed)
-    return datasets.Dataset.from_dict({"img": images, "label": labels}, features=FEATURES)
-
-
-def corrupt_dataset(root: Path) -> Path:
-    images, labels = make_images(40, 0)
-    encoded = [datasets.Image().encode_example(image) for image in images]
-    encoded[17] = {"bytes": b"this is not an image", "path": None}
-    train = datasets.Dataset.from_dict({"img": encoded, "label": labels}, features=FEATURES)
-    return write_split_files(root, train, good_split(20, 1))
+from conftest import (
+    CLASS_NAMES,
+    FEATURES,
+    corrupt_dataset,
+    good_split,
+    make_images,
+    read_results,
+    run_cli,
+    snapshot,
+    tiny_args,
+    write_split_files,
+)
 
 
 def empty_test_split(root: Path) -> Path:

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -26,13 +25,6 @@ from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import EpochRecord
 
 from conftest import fp16_accelerator, read_results, tiny_args
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def make_monitor(

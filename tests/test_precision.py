@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.nn.utils import get_total_norm
@@ -20,15 +19,9 @@ from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
 from cifar_accel.precision import precision_report
 
-from conftest import fp16_accelerator, read_results, tiny_args
+from conftest import fp16_accelerator, read_results, reset_accelerate_state, tiny_args
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def batch(size: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +102,7 @@ def train_with_accumulation(accumulation_steps: int, batch_size: int) -> tuple[l
             scheduler.step()
         optimizer_steps += grad_norm is not None  # the norm is measured (and clipping done) on update steps only
     weights = [p.detach().clone() for p in model.parameters()]
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
     return weights, optimizer_steps, scheduler.scheduler.last_epoch
 
 

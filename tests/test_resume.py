@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 from cifar_accel.checkpoint import (
@@ -214,4 +213,3 @@ def test_grad_scaler_state_survives_save_and_resume(tmp_path):
     load_checkpoint(accelerator, restored_path, restored)
     assert accelerator.scaler.get_scale() == 512.0
     assert restored.global_step == 3
-    AcceleratorState._reset_state(reset_partial_state=True)

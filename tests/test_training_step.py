@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from torch import nn
 
 from cifar_accel.engine import training_step
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def one_weight_model() -> nn.Linear:

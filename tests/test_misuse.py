@@ -1,0 +1,465 @@
+"""Misuse and flaky infrastructure: whatever happens, one line and the right exit code, and nothing lost.
+
+One test group per class of failure: refusals before anything is removed, one run per folder, complete
+checkpoints, atomic outputs, config files as bounded data, data errors that name the row, predict and evaluate
+inputs, stderr for the error line only, signals at any moment, and a global batch that really happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+
+from cifar_accel import compare, evaluate
+from cifar_accel.checkpoint import STATE_FILE, TrainerState, check_checkpoint_files, complete_checkpoints
+from cifar_accel.config import read_config_file
+from cifar_accel.data import to_rgb32
+from cifar_accel.errors import InputError, RunFault, run_cli
+from cifar_accel.monitor import TrainingMonitor
+from cifar_accel.outputs import REPLACED_RUN, OutputDirLock
+
+from conftest import (
+    CLASS_NAMES,
+    FEATURES,
+    REPO,
+    corrupt_dataset,
+    fp16_accelerator,
+    good_split,
+    make_images,
+    read_results,
+    snapshot,
+    tiny_args,
+    write_split_files,
+)
+from conftest import run_cli as run_subprocess
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    (line,) = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    return line
+
+
+def run_args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    """Two epochs of 9 optimizer steps on the tiny dataset, a checkpoint every 4 steps, all kept."""
+    return tiny_args(dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4",
+                     "--checkpoints_total_limit", "100", "--max_eval_samples", "40", *extra)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = run_subprocess(run_args(tiny_dataset, out), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def earlier_run(finished_run, tmp_path) -> Path:
+    """A copy of a finished run, with a file of the user's beside it."""
+    out = shutil.copytree(finished_run, tmp_path / "run")
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+# 1. Validate everything before deleting anything.
+
+
+@pytest.mark.parametrize("problem", ["batch larger than the data", "corrupt image"])
+def test_a_refused_overwrite_leaves_the_earlier_run_whole(earlier_run, tiny_dataset, train_here, tmp_path, problem):
+    before = snapshot(earlier_run)
+    if problem == "corrupt image":
+        args = run_args(corrupt_dataset(tmp_path / "corrupt"), earlier_run, "--overwrite_output_dir")
+    else:
+        args = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--per_device_train_batch_size", "1000")
+    proc = train_here(args)
+    assert proc.returncode == 2
+    assert one_error_line(proc).startswith("error: ")
+    assert snapshot(earlier_run) == before
+
+
+class FaultAtFirstStep(TrainingMonitor):
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        raise RunFault("injected fault before the first checkpoint")
+
+
+def test_overwrite_replaces_the_earlier_run_only_once_the_new_one_has_a_checkpoint(earlier_run, tiny_dataset,
+                                                                                  train_here):  # fmt: skip
+    earlier = snapshot(earlier_run)
+    args = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")
+    proc = train_here(args, monitor_type=FaultAtFirstStep)
+    assert proc.returncode == 1 and "injected fault" in one_error_line(proc)
+    kept = {name: digest for name, digest in earlier.items() if name != "notes.txt"}
+    assert snapshot(earlier_run / REPLACED_RUN) == kept  # the whole earlier run, set aside
+    assert (earlier_run / "notes.txt").read_text() == "mine"
+
+    proc = train_here(args)
+    assert proc.returncode == 0, proc.stderr
+    assert not (earlier_run / REPLACED_RUN).exists()
+    assert read_results(earlier_run)["epochs_completed"] == 2
+    assert json.loads((complete_checkpoints(earlier_run)[-1] / STATE_FILE).read_text())["config_fingerprint"][
+        "seed"
+    ] == 7  # fmt: skip
+    assert (earlier_run / "notes.txt").read_text() == "mine"
+
+
+# 2. One run per output folder.
+
+
+def test_a_second_run_into_a_locked_folder_is_refused_naming_the_holder(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with OutputDirLock(out):
+        before = snapshot(out)
+        proc = train_here(tiny_args(tiny_dataset, out))
+        assert proc.returncode == 2
+        line = one_error_line(proc)
+        assert f"is in use by another run (pid {os.getpid()} on {socket.gethostname()}, started 20" in line
+        assert snapshot(out) == before
+        assert run_cli(compare.main, ["--output_dir", str(out), "--dataset_name", str(tiny_dataset)]) == 2
+    assert not (out / ".lock").exists()  # released with the lock
+    assert train_here(tiny_args(tiny_dataset, out)).returncode == 0
+
+
+def test_two_processes_one_folder_and_sigkill_leaves_no_stale_lock(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "50", "--early_stopping_patience", "0")
+    first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=cli_env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not complete_checkpoints(out):
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    second = run_subprocess([*args, "--resume_from_checkpoint", "latest"], cli_env)  # a requeued copy
+    assert second.returncode == 2
+    assert f"is in use by another run (pid {first.pid} on " in one_error_line(second)
+    assert first.poll() is None  # the first run goes on
+
+    first.kill()  # SIGKILL: the kernel drops the lock with the process
+    first.wait()
+    resumed = run_subprocess([*args, "--num_train_epochs", "50", "--resume_from_checkpoint", "latest",
+                              "--early_stopping_patience", "1"], cli_env)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+
+
+# 3. A checkpoint is complete or refused.
+
+
+def edit_state(checkpoint: Path, **changes: object) -> None:
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    state.update(changes)
+    (checkpoint / STATE_FILE).write_text(json.dumps(state))
+
+
+STATE_CASES = [
+    ({"global_step": -5}, "'global_step' must be a whole number from 0"),
+    ({"global_step": "18"}, "'global_step' must be a whole number from 0"),
+    ({"global_step": 17}, "'global_step' is 17 but the folder is named for step 18"),
+    ({"epoch": 10**12}, "'epoch' must be a whole number from 0 to 1000000000"),
+    ({"num_processes": 0}, "'num_processes' must be a whole number from 1"),
+    ({"best_checkpoint": None}, "'best_checkpoint' must name a checkpoint folder, not 'None'"),
+    ({"best_checkpoint": "step_00000099"}, "its best checkpoint 'step_00000099' does not exist"),
+    ({"best_epoch": 3}, "'best_epoch' must be an epoch from 1 to 2"),
+    ({"epoch_totals": [1, 2]}, "'epoch_totals' must be a list of 3 numbers"),
+    ({"history": []}, "'history' must be a list of 2 epoch records"),
+    ({"surprise": 1}, "unexpected or missing keys: surprise"),
+]
+
+
+@pytest.mark.parametrize(("changes", "message"), STATE_CASES, ids=[next(iter(c)) + str(i) for i, (c, _) in
+                                                                   enumerate(STATE_CASES)])  # fmt: skip
+def test_an_invalid_trainer_state_is_refused_before_anything_is_written(earlier_run, tiny_dataset, train_here,
+                                                                        changes, message):  # fmt: skip
+    edit_state(earlier_run / "checkpoints" / "step_00000018", **changes)
+    before = snapshot(earlier_run)  # config.yaml and labels.json included
+    proc = train_here([*run_args(tiny_dataset, earlier_run, "--num_train_epochs", "3"), "--resume", "latest"])
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "step_00000018' has an invalid trainer_state.json (" in line and message in line
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
+def test_a_checkpoint_missing_a_file_is_refused_naming_it(earlier_run, tiny_dataset, train_here, name):
+    (earlier_run / "checkpoints" / "step_00000016" / name).unlink()
+    before = snapshot(earlier_run)
+    proc = train_here([*run_args(tiny_dataset, earlier_run), "--resume", str(earlier_run / "checkpoints" /
+                                                                              "step_00000016")])  # fmt: skip
+    assert proc.returncode == 2
+    assert f"step_00000016' is incomplete: {name} is missing" in one_error_line(proc)
+    assert snapshot(earlier_run) == before
+
+
+class RunsCode:
+    """A pickle whose loading would run a shell command (creating a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", ["optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
+def test_a_checkpoint_file_whose_unpickling_would_run_code_is_refused(earlier_run, tiny_dataset, train_here,
+                                                                      tmp_path, name):  # fmt: skip
+    marker = tmp_path / "code_ran"
+    torch.save(RunsCode(marker), earlier_run / "checkpoints" / "step_00000016" / name)
+    proc = train_here([*run_args(tiny_dataset, earlier_run), "--resume", str(earlier_run / "checkpoints" /
+                                                                              "step_00000016")])  # fmt: skip
+    assert proc.returncode == 2
+    assert f"{name} cannot be read as plain tensors and numbers (UnpicklingError" in one_error_line(proc)
+    assert not marker.exists()
+
+
+def test_the_grad_scaler_file_is_required_and_read_safely(finished_run, tmp_path):
+    """Only fp16 runs (on a GPU) have a GradScaler; its file is checked like the others."""
+    checkpoint = shutil.copytree(finished_run / "checkpoints" / "step_00000018", tmp_path / "step_00000018")
+    accelerator = fp16_accelerator("cpu", init_scale=1024.0)
+    state = TrainerState(num_processes=1)
+    with pytest.raises(InputError, match="is incomplete: scaler.pt is missing"):
+        check_checkpoint_files(accelerator, checkpoint, state)
+    marker = tmp_path / "code_ran"
+    torch.save(RunsCode(marker), checkpoint / "scaler.pt")
+    with pytest.raises(InputError, match="scaler.pt cannot be read as plain tensors"):
+        check_checkpoint_files(accelerator, checkpoint, state)
+    assert not marker.exists()
+    torch.save(torch.amp.GradScaler("cpu").state_dict(), checkpoint / "scaler.pt")
+    check_checkpoint_files(accelerator, checkpoint, state)
+
+
+# 4. Every output is written atomically.
+
+
+def test_a_full_disk_while_writing_an_output_is_one_line_and_keeps_the_old_file(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    program = (
+        "import sys; from pathlib import Path; from cifar_accel.outputs import write_atomic; "
+        "from cifar_accel.errors import run_cli; "
+        f"path = Path('{disk}') / 'results.json'; write_atomic(path, 'the earlier results'); "
+        "sys.exit(run_cli(lambda argv: write_atomic(path, 'x' * 300_000)))"
+    )
+    script = f"mount -t tmpfs -o size=128k tmpfs {disk} || exit 99; {sys.executable} -c \"{program}\"; " \
+             f'echo "exit=$?" >&2; ls -A {disk}; cat {disk}/results.json'  # fmt: skip
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    if "exit=" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
+    error, status = proc.stderr.strip().splitlines()
+    assert status == "exit=1"
+    assert error.startswith("error: writing ") and "results.json failed (No space left on device)" in error
+    assert proc.stdout.split() == ["results.json", "the", "earlier", "results"]  # no temporary file left
+
+
+def test_readers_treat_a_damaged_file_as_unfinished_or_refuse_it(finished_run, tmp_path, capsys):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    (run / "results.json").write_text('{"test_accuracy": 0.5')  # cut off
+    assert compare.finished_results(run) is None
+    (run / "labels.json").write_text("{not json")
+    assert run_cli(evaluate.main, ["--model", str(run)]) == 2
+    assert "labels.json cannot be read (JSONDecodeError" in capsys.readouterr().err
+    shutil.copy(finished_run / "labels.json", run / "labels.json")
+    (run / "config.yaml").write_text("learning_rate: [0.1\n")
+    assert run_cli(evaluate.main, ["--model", str(run)]) == 2
+    assert "config.yaml is not valid YAML" in capsys.readouterr().err
+    shutil.copy(finished_run / "config.yaml", run / "config.yaml")
+    (tmp_path / "a_file").write_text("")
+    assert run_cli(evaluate.main, ["--model", str(run), "--output_dir", str(tmp_path / "a_file")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+# 5. Config files are data, within limits.
+
+
+def test_config_files_that_are_not_regular_files_are_refused_without_reading(cli_env, tmp_path):
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero"), tmp_path):
+        proc = run_subprocess(["--config", str(path), "--output_dir", str(tmp_path / "out")], cli_env, timeout=60)
+        assert proc.returncode == 2
+        assert f"config file {path} is not a regular file" in one_error_line(proc)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learning_rate: 0.1\n" + "# padding\n" * 200_000, "more than the 1048576 a config may have"),
+        ("seed: " + "[" * 50_000 + "]" * 50_000 + "\n", "nests deeper than 8 levels"),
+        (
+            "a0: &a0 [x, x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 60)),
+            "uses more than 100 YAML aliases",
+        ),  # fmt: skip
+        ("learning_rate: " + "9" * 300_000 + "x\n", "'learning_rate' must be float, not str ('99999"),
+    ],
+    ids=["too-large", "too-deep", "alias-bomb", "huge-value"],
+)
+def test_config_files_have_size_depth_and_alias_limits_and_errors_stay_short(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as err:
+        read_config_file(path)
+    assert message in str(err.value) and len(str(err.value)) < 400
+
+
+# 6. Data errors name the row.
+
+
+def dataset_with(root: Path, column: list, features: datasets.Features, column_name: str) -> Path:
+    images, labels = make_images(40, 0)
+    values = {"img": images, "label": labels, column_name: column}
+    train = datasets.Dataset.from_dict(values, features=features)
+    return write_split_files(root, train, good_split(20, 1))
+
+
+def null_image(root: Path) -> Path:
+    images, _ = make_images(40, 0)
+    return dataset_with(root, images[:3] + [None] + images[4:], FEATURES, "img")
+
+
+def huge_image(root: Path) -> Path:
+    images, _ = make_images(40, 0)
+    return dataset_with(root, images[:2] + [Image.new("1", (9000, 8000))] + images[3:], FEATURES, "img")
+
+
+def string_labels(root: Path) -> Path:
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("string")})
+    return dataset_with(root, [CLASS_NAMES[i % 10] for i in range(40)], features, "label")
+
+
+def fractional_labels(root: Path) -> Path:
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("float64")})
+    return dataset_with(root, [float(i % 10) for i in range(5)] + [3.7] + [1.0] * 34, features, "label")
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (null_image, "train image 3 (column 'img') is empty; fix or drop that row"),
+        (huge_image, "train image 2 (column 'img') cannot be decoded (ImageTooLarge: 9000x8000 pixels, more than"),
+        (string_labels, "train label 0 (column 'label') is the string 'airplane'; labels must be class numbers"),
+        (fractional_labels, "train label 5 (column 'label') is 3.7, not a whole class number"),
+    ],
+    ids=["null-image", "decompression-bomb-size", "string-labels", "fractional-labels"],
+)
+def test_bad_rows_are_refused_naming_the_split_and_row(train_here, tmp_path, make, words):
+    proc = train_here(tiny_args(make(tmp_path / "data"), tmp_path / "out"))
+    assert proc.returncode == 2
+    assert words in one_error_line(proc)
+    assert not (tmp_path / "out" / "config.yaml").exists()
+
+
+# 7. predict and evaluate.
+
+
+def test_predict_reads_only_regular_image_files_and_says_what_it_skipped(finished_run, cli_env, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    make_images(1, 0)[0][0].save(folder / "a.png")
+    os.mkfifo(folder / "b.png")  # opening it would block
+    (folder / "c.png").mkdir()
+    (folder / "notes.txt").write_text("not an image")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(folder / "d.png"))
+    try:
+        proc = run_subprocess(["--model", str(finished_run), str(folder), "--format", "jsonl"], cli_env,
+                              module="cifar_accel.predict", timeout=120)  # fmt: skip
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [row["file"] for row in rows if "top_k" in row] == [str(folder / "a.png")]
+    assert {Path(row["file"]).name: row["skipped"] for row in rows if "skipped" in row} == {
+        "b.png": "not a regular file", "c.png": "not a regular file", "d.png": "not a regular file",
+        "notes.txt": "not an image file name",
+    }  # fmt: skip
+
+
+def test_exif_orientation_is_applied_and_reported(tmp_path):
+    """A phone stores a portrait photo as landscape pixels plus 'rotate 90 degrees' (orientation 6)."""
+    image = Image.new("RGB", (64, 32), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 32, 32))  # left half red, as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    image.save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    pixels, original = to_rgb32(tmp_path / "photo.jpg")
+    assert original == "RGB 64x32, EXIF-rotated"
+    top, bottom = pixels[:, :8].reshape(3, -1).mean(1), pixels[:, -8:].reshape(3, -1).mean(1)
+    assert top[0] > 200 and top[2] < 60 and bottom[2] > 200  # rotated clockwise: the stored left is now on top
+
+
+# 8. One line means one line.
+
+
+def test_warnings_go_to_stdout_and_stderr_keeps_the_error_line(cli_env):
+    program = (
+        "import sys, warnings; from cifar_accel.errors import InputError, run_cli\n"
+        "def main(argv):\n"
+        "    warnings.warn('a library says something', UserWarning)\n"
+        "    raise InputError('the one line')\n"
+        "sys.exit(run_cli(main))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], env=cli_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: the one line\n"
+    assert "UserWarning: a library says something" in proc.stdout
+
+
+# 9. Signals at any moment.
+
+
+def test_a_signal_while_loading_data_stops_at_once_and_writes_nothing(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "run"
+    env = {**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "fresh_cache")}  # decode again
+    proc = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *tiny_args(tiny_dataset, out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for line in proc.stdout:
+        if "decoded once" in line:  # logged as the first split's decoding starts
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert stderr.strip().splitlines() == ["stopped by SIGTERM before training started; nothing of the run was written"]
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+class SignalAfterTheLastEpoch(TrainingMonitor):
+    def end_epoch(self, train: dict, val: dict):
+        record = super().end_epoch(train, val)
+        if record.epoch == self.config.num_train_epochs:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives as the final test starts
+        return record
+
+
+def test_a_signal_during_the_final_test_lets_it_finish_then_exits_with_the_signals_code(tiny_dataset, train_here,
+                                                                                        tmp_path):  # fmt: skip
+    out = tmp_path / "run"
+    proc = train_here(tiny_args(tiny_dataset, out), monitor_type=SignalAfterTheLastEpoch)
+    assert proc.returncode == 143
+    assert one_error_line(proc).startswith("stopped by SIGTERM during the final test and export, which were completed")
+    assert read_results(out)["epochs_completed"] == 1 and (out / "model.safetensors").is_file()
+
+
+# 10. The global batch is what really happens.
+
+
+def test_more_accumulation_steps_than_batches_in_an_epoch_is_refused(tiny_dataset, train_here, tmp_path):
+    proc = train_here(tiny_args(tiny_dataset, tmp_path / "run", "--gradient_accumulation_steps", "10"))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "--gradient_accumulation_steps 10 is more than the 9 batches an epoch has" in line
+    assert "global batch of 320" in line
