@@ -129,29 +129,40 @@ def fresh_accelerate_state():
     reset_accelerate_state()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def datasets_cache_of_this_session(tmp_path_factory: pytest.TempPathFactory):
+    """Runs in the test process cache decoded data in a folder of the session's own, as subprocesses do."""
+    previous = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = tmp_path_factory.mktemp("hf_datasets_cache_in_process")
+    yield
+    datasets.config.HF_DATASETS_CACHE = previous
+
+
+def train_in_process(args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor) -> int:
+    """Run ``cifar_accel.train`` in this process as its CLI would (flags, exit code, one-line errors), with the
+    monitor type of one's choice: the policies' seam. Faster than a subprocess, which spends seconds importing
+    torch."""
+    try:
+        return run_main(lambda argv: train.main(argv, monitor_type=monitor_type), args)
+    finally:
+        reset_accelerate_state()
+
+
 @pytest.fixture
 def train_here(
-    capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> Callable[..., subprocess.CompletedProcess]:
-    """Run ``cifar_accel.train`` in this process, as its CLI would (flags, exit code, one-line errors), with the
-    monitor type of one's choice: the policies' seam. Returns what ``run_cli`` would: exit code, the log and
-    stdout, stderr. Faster than a subprocess, which spends seconds importing torch."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+    """``train_in_process`` that returns what a subprocess would: exit code, the log and stdout, stderr."""
     caplog.set_level(logging.INFO)
 
-    def train_in_process(
-        args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor
-    ) -> subprocess.CompletedProcess:
+    def run(args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor) -> subprocess.CompletedProcess:
         capsys.readouterr()
         caplog.clear()
-        try:
-            code = run_main(lambda argv: train.main(argv, monitor_type=monitor_type), args)
-        finally:
-            reset_accelerate_state()
+        code = train_in_process(args, monitor_type)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, caplog.text + out, err)
 
-    return train_in_process
+    return run
 
 
 def fp16_accelerator(device: str, init_scale: float) -> Accelerator:

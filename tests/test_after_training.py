@@ -16,14 +16,13 @@ from cifar_accel.data import load_split
 from cifar_accel.inference import load_trained_model
 from cifar_accel.transforms import BatchTransform
 
-from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args
+from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args, train_in_process
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+def trained_run(tiny_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained") / "run"
-    proc = run_cli(tiny_args(tiny_dataset, out, "--num_train_epochs", "2"), cli_env)
-    assert proc.returncode == 0, proc.stderr
+    assert train_in_process(tiny_args(tiny_dataset, out, "--num_train_epochs", "2")) == 0
     return out
 
 

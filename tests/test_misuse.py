@@ -41,6 +41,7 @@ from conftest import (
     read_results,
     snapshot,
     tiny_args,
+    train_in_process,
     write_split_files,
 )
 from conftest import run_cli as run_subprocess
@@ -59,10 +60,9 @@ def run_args(dataset: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+def finished_run(tiny_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_subprocess(run_args(tiny_dataset, out), cli_env)
-    assert proc.returncode == 0, proc.stderr
+    assert train_in_process(run_args(tiny_dataset, out)) == 0
     return out
 
 

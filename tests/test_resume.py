@@ -24,7 +24,7 @@ from cifar_accel.checkpoint import (
     save_checkpoint,
 )
 
-from conftest import assert_same_run, crashed_copy, read_results, run_cli, tiny_args
+from conftest import assert_same_run, crashed_copy, read_results, run_cli, tiny_args, train_in_process
 
 
 def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]:
@@ -36,16 +36,15 @@ def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]
 
 
 @pytest.fixture(scope="module", params=["no", "bf16"])
-def uninterrupted(request, tiny_dataset, cli_env, tmp_path_factory) -> tuple[str, Path]:
+def uninterrupted(request, tiny_dataset, tmp_path_factory) -> tuple[str, Path]:
+    """The uninterrupted run, in this process; the signal test compares a subprocess's resumed run with it."""
     out = tmp_path_factory.mktemp(f"straight_{request.param}") / "run"
-    proc = run_cli(run_args(tiny_dataset, out, request.param), cli_env)
-    assert proc.returncode == 0, proc.stderr
+    assert train_in_process(run_args(tiny_dataset, out, request.param)) == 0
     return request.param, out
 
 
 @pytest.mark.parametrize(("cut", "where"), [(18, "end of epoch 2"), (20, "2 batches into epoch 3")])
 def test_resume_from_a_checkpoint_is_bitwise_exact(uninterrupted, tiny_dataset, train_here, tmp_path, cut, where):
-    """The straight run is a subprocess, the resumed one runs in this process: the same numbers either way."""
     precision, straight = uninterrupted
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
     assert complete_checkpoints(resumed)[-1].name == f"step_{cut:08d}"
