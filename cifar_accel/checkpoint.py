@@ -43,6 +43,7 @@ class TrainerState:
     global_step: int = 0  # optimizer steps taken
     epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images so far
     epoch_train_seconds: float = 0.0  # training time of the current epoch so far
+    epoch_learning_rate: float | None = None  # the learning rate the current epoch started with
     best_val_accuracy: float | None = None
     best_epoch: int | None = None
     best_checkpoint: str | None = None
@@ -57,6 +58,7 @@ class TrainerState:
         """Close one epoch with its metrics; returns whether its validation accuracy is the best so far."""
         self.epoch = record["epoch"]
         self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [0.0, 0.0, 0.0], 0.0
+        self.epoch_learning_rate = None
         self.history.append(record)
         improved = self.best_val_accuracy is None or record["val_accuracy"] > self.best_val_accuracy
         if improved:
@@ -153,6 +155,7 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
 
 
 MAX_COUNT = 10**9  # no real run takes this many epochs, steps or processes
+STATE_KEYS_ADDED_LATER = {"epoch_learning_rate"}  # may be missing from older checkpoints
 
 
 def read_trainer_state(path: Path) -> TrainerState:
@@ -172,9 +175,10 @@ def read_trainer_state(path: Path) -> TrainerState:
             "checkpoint"
         ) from None
     fields = {f.name for f in dataclasses.fields(TrainerState)}
-    if not isinstance(data, dict) or set(data) != fields:
-        keys = sorted(set(data) ^ fields) if isinstance(data, dict) else ["(not a JSON object)"]
-        raise invalid(f"unexpected or missing keys: {', '.join(map(str, keys))[:200]}")
+    if not isinstance(data, dict):
+        raise invalid("not a JSON object")
+    if wrong_keys := (set(data) ^ fields) - STATE_KEYS_ADDED_LATER:
+        raise invalid(f"unexpected or missing keys: {', '.join(sorted(map(str, wrong_keys)))[:200]}")
 
     def count(name: str, low: int = 0) -> int:
         value = data[name]
@@ -201,6 +205,8 @@ def read_trainer_state(path: Path) -> TrainerState:
     for value in totals:
         number(value, "epoch_totals")
     number(data["epoch_train_seconds"], "epoch_train_seconds")
+    if data.get("epoch_learning_rate") is not None:
+        number(data["epoch_learning_rate"], "epoch_learning_rate")
     history = data["history"]
     if not isinstance(history, list) or len(history) != epoch:
         raise invalid(f"'history' must be a list of {epoch} epoch records")
@@ -261,10 +267,12 @@ def check_checkpoint_files(accelerator: Accelerator, path: Path, state: TrainerS
 def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], num_processes: int) -> None:
     """Refuse a checkpoint made with another config (see ``config_fingerprint``), or saved mid-epoch by another
     number of processes."""
+    # A field added after the checkpoint was written ran with its default there.
+    saved = {
+        key: state.config_fingerprint.get(key, FIELDS[key].default if key in FIELDS else None) for key in fingerprint
+    }
     differences = [
-        f"{key}: checkpoint {state.config_fingerprint.get(key)!r}, now {value!r}"
-        for key, value in fingerprint.items()
-        if state.config_fingerprint.get(key) != value
+        f"{key}: checkpoint {saved[key]!r}, now {value!r}" for key, value in fingerprint.items() if saved[key] != value
     ]
     if differences:
         raise InputError(

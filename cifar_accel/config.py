@@ -81,7 +81,7 @@ class TrainConfig:
     )
 
     # Model and optimisation
-    model_name: Literal["simple_cnn"] = _field(
+    model_name: Literal["simple_cnn", "fast_net", "resnet9", "resnet18"] = _field(
         "simple_cnn", "Model architecture.", resume="match", aliases=("--model",)
     )
     num_train_epochs: int = _field(
@@ -92,15 +92,35 @@ class TrainConfig:
         64, "Training batch size per process.", resume="match", aliases=("--batch_size", "--batch-size"), ge=1
     )
     per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", resume="may_change", ge=1)
-    learning_rate: float = _field(1e-3, "Adam learning rate.", resume="match", aliases=("--lr",), gt=0)
+    optimizer: Literal["adam", "adamw", "sgd"] = _field("adam", "Optimizer.", resume="match")
+    learning_rate: float = _field(
+        1e-3, "Learning rate (the peak of a per-step schedule).", resume="match", aliases=("--lr",), gt=0
+    )
     scale_lr: bool = _field(
         False, "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch).",
         resume="match",
     )  # fmt: skip
-    weight_decay: float = _field(0.0, "Adam weight decay.", resume="match", ge=0)
-    lr_scheduler_type: Literal["step", "cosine"] = _field(
-        "step", "Epoch-wise schedule: StepLR or cosine annealing to zero over --num_train_epochs.", resume="match",
-        aliases=("--scheduler",),
+    momentum: float = _field(0.9, "SGD momentum.", resume="match", ge=0, lt=1)
+    nesterov: bool = _field(False, "SGD with Nesterov momentum.", resume="match")
+    weight_decay: float = _field(
+        0.0, "Weight decay (coupled for adam and sgd, decoupled for adamw), scaled per parameter group by the model.",
+        resume="match", ge=0,
+    )  # fmt: skip
+    label_smoothing: float = _field(0.0, "Label smoothing of the training loss.", resume="match", ge=0, lt=1)
+    lr_scheduler_type: Literal["step", "cosine", "linear", "cosine_steps"] = _field(
+        "step", "Schedule. Per epoch: StepLR, or cosine annealing to zero over --num_train_epochs. Per optimizer "
+        "step: a linear warm-up (--warmup_ratio, from --lr_start_factor), then a linear or cosine decay to "
+        "--lr_end_factor.", resume="match", aliases=("--scheduler",),
+    )  # fmt: skip
+    warmup_ratio: float = _field(0.0, "Per-step schedules: fraction of the steps spent warming up.", resume="match",
+                                 ge=0, lt=1)  # fmt: skip
+    lr_start_factor: float = _field(
+        0.0, "Per-step schedules: the learning rate at step 0, as a fraction of --learning_rate.", resume="match",
+        ge=0, le=1,
+    )  # fmt: skip
+    lr_end_factor: float = _field(
+        0.0, "Per-step schedules: the learning rate at the last step, as a fraction of --learning_rate.",
+        resume="match", ge=0, le=1,
     )  # fmt: skip
     lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", resume="match", ge=1)
     lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", resume="match", gt=0, le=1)

@@ -1,8 +1,9 @@
 """The policies around the training loop, per step and per epoch, in one object.
 
 After every batch the monitor counts it; after every optimizer step it checks that the run is still finite,
-logs step telemetry, saves step checkpoints and honours a stop request (SIGINT, SIGTERM). At an epoch's end it
-steps the schedule, records and logs the epoch, saves a checkpoint and again honours a stop request.
+logs step telemetry, steps a per-step schedule, saves step checkpoints and honours a stop request (SIGINT,
+SIGTERM). At an epoch's end it steps an epoch-wise schedule, records and logs the epoch, saves a checkpoint and
+again honours a stop request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 from cifar_accel.checkpoint import TrainerState, save_checkpoint
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import RunFault, Stopped
+from cifar_accel.optim import steps_per_update
 from cifar_accel.outputs import discard_replaced_run
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import EpochRecord, log_epoch, log_step, loss_scale
@@ -95,6 +97,7 @@ class TrainingMonitor:
         self.output_dir = output_dir
         self.last_checkpoint = last_checkpoint  # the one saved last, or resumed from: what a failure points to
         self.steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
+        self.schedule_per_step = steps_per_update(config)
         self.stop = stop
         self.replaced_run = replaced_run
         # The epoch under way: this process's (loss sum, correct, images), its start, training seconds carried
@@ -115,7 +118,9 @@ class TrainingMonitor:
         """Start the clock and the totals of ``epoch`` (counted from 0); the batches still to train on. A run
         resumed mid-epoch skips the batches it already trained on and carries on their totals and time."""
         self.epoch_start = time.perf_counter()
-        self.learning_rate = self.scheduler.get_last_lr()[0]
+        if self.state.epoch_learning_rate is None:  # an epoch starting now (or resumed from an older checkpoint)
+            self.state.epoch_learning_rate = self.scheduler.get_last_lr()[0]
+        self.learning_rate = self.state.epoch_learning_rate
         train_loader.set_epoch(epoch)
         self.totals = torch.zeros(3, device=self.accelerator.device)
         if self.accelerator.is_main_process:  # a resumed epoch's first part, counted once
@@ -138,6 +143,8 @@ class TrainingMonitor:
         )
         if state.global_step % self.config.logging_steps == 0:
             log_step(self.accelerator, state, loss, grad_norm, self.optimizer.param_groups[0]["lr"])
+        if self.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
+            self.scheduler.step()
         stopping = self.stop.requested(self.accelerator)
         if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
             state.epoch_totals = self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()
@@ -147,8 +154,9 @@ class TrainingMonitor:
                 raise self.stopped()
 
     def end_epoch(self, train: dict[str, float], val: dict[str, float]) -> EpochRecord:
-        """Step the epoch-wise schedule, record and log the epoch, save a checkpoint, honour a stop request."""
-        self.scheduler.step()
+        """Step an epoch-wise schedule, record and log the epoch, save a checkpoint, honour a stop request."""
+        if not self.schedule_per_step:
+            self.scheduler.step()
         train_seconds = self.seconds_before + train["seconds"]
         record = EpochRecord(
             epoch=self.state.epoch + 1,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,33 +15,100 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.engine import LossFn
 from cifar_accel.errors import InputError
 
+PER_STEP_SCHEDULES = ("linear", "cosine_steps")
+
 
 def build_loss(config: TrainConfig) -> LossFn:
     """The training loss, used by every training step and by the precision report."""
+    if config.label_smoothing:
+        return functools.partial(F.cross_entropy, label_smoothing=config.label_smoothing)
     return F.cross_entropy
 
 
 def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
+    """Adam, AdamW or SGD over the model's parameter groups (its ``parameter_groups`` hook, else one group), each
+    group with the learning rate and weight decay scaled as the hook says."""
+    if config.nesterov and (config.optimizer != "sgd" or config.momentum == 0):
+        raise InputError("--nesterov needs --optimizer sgd and a --momentum above 0")
+    if hasattr(model, "parameter_groups"):
+        groups = [
+            {"params": g["params"], "lr": learning_rate * g["lr_scale"],
+             "weight_decay": config.weight_decay * g["weight_decay_scale"]}
+            for g in model.parameter_groups()
+        ]  # fmt: skip
+    else:
+        groups = [{"params": list(model.parameters())}]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups, lr=learning_rate, momentum=config.momentum, nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+        )  # fmt: skip
+    adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return adam(groups, lr=learning_rate, weight_decay=config.weight_decay)
 
 
-def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    """The epoch-wise learning-rate schedule."""
+@dataclass
+class StepSchedule:
+    """The learning-rate factor as a pure function of the optimizer step: a linear warm-up from ``start_factor``
+    to 1 over ``warmup_steps``, then a linear or cosine decay to ``end_factor`` at ``total_steps``. Its fields
+    are saved with the scheduler's state, so a resumed run knows the schedule it was on."""
+
+    kind: str
+    total_steps: int
+    warmup_steps: int
+    start_factor: float
+    end_factor: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.start_factor + (1 - self.start_factor) * step / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine_steps" else 1 - progress
+        return self.end_factor + (1 - self.end_factor) * decay
+
+
+def build_scheduler(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule: epoch-wise (``step``, ``cosine``; stepped at each epoch's end) or per
+    optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``steps_per_update``)."""
+    if config.lr_scheduler_type in PER_STEP_SCHEDULES:
+        total = config.num_train_epochs * steps_per_epoch
+        schedule = StepSchedule(
+            config.lr_scheduler_type, total, round(total * config.warmup_ratio), config.lr_start_factor,
+            config.lr_end_factor,
+        )  # fmt: skip
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if config.lr_scheduler_type == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
 
 
+def steps_per_update(config: TrainConfig) -> bool:
+    """Whether the schedule steps after every optimizer step (else once per epoch)."""
+    return config.lr_scheduler_type in PER_STEP_SCHEDULES
+
+
 def check_resumed_schedule(
-    scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, checkpoint: Path
+    scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, steps_per_epoch: int, checkpoint: Path
 ) -> None:
-    """Refuse to extend a cosine schedule: its period, restored from the checkpoint, is the run's first
-    ``num_train_epochs``, so the epochs after it would run the learning rate back up the cosine's second half.
-    StepLR has no period and extends as it is (one drop every ``lr_step_size`` epochs)."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and scheduler.T_max != config.num_train_epochs:
-        raise InputError(
-            f"checkpoint '{checkpoint}' anneals the learning rate to zero over {scheduler.T_max} epochs (the cosine "
-            f"schedule's period), so --num_train_epochs {config.num_train_epochs} cannot change it: the learning "
-            f"rate would run back up the cosine; resume with --num_train_epochs {scheduler.T_max}, or start a new "
-            "run with the longer schedule"
-        )
+    """Refuse to change the length of a schedule that has one. The cosine's period and a per-step schedule's
+    total steps, restored from the checkpoint, come from the run's first ``num_train_epochs``: more epochs would
+    run the learning rate back up the cosine, or past the end of the decay. StepLR has no length and extends
+    as it is (one drop every ``lr_step_size`` epochs)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+        if scheduler.T_max != config.num_train_epochs:
+            raise InputError(
+                f"checkpoint '{checkpoint}' anneals the learning rate to zero over {scheduler.T_max} epochs (the "
+                f"cosine schedule's period), so --num_train_epochs {config.num_train_epochs} cannot change it: the "
+                f"learning rate would run back up the cosine; resume with --num_train_epochs {scheduler.T_max}, or "
+                "start a new run with the longer schedule"
+            )
+    elif isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        total, wanted = scheduler.lr_lambdas[0].total_steps, config.num_train_epochs * steps_per_epoch
+        if total != wanted:
+            raise InputError(
+                f"checkpoint '{checkpoint}' follows a '{config.lr_scheduler_type}' schedule over {total} optimizer "
+                f"steps, and this run would take {wanted} ({config.num_train_epochs} epochs of {steps_per_epoch}); "
+                "resume with the number of epochs and processes it started with, or start a new run"
+            )

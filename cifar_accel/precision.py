@@ -51,7 +51,7 @@ def precision_report(
     """
     effective = effective_precision(accelerator)
     probe = copy.deepcopy(accelerator.unwrap_model(model)).train()
-    first_conv = next(m for m in probe.modules() if isinstance(m, nn.Conv2d))
+    first_conv = next(m for m in probe.modules() if isinstance(m, nn.Conv2d) and m.weight.requires_grad)
     seen: dict[str, torch.dtype] = {}
 
     def record_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -49,6 +50,8 @@ from cifar_accel.telemetry import run_results
 from cifar_accel.transforms import BatchTransform
 
 logger = get_logger(__name__)
+
+DATA_INIT_IMAGES = 5000  # training images a model's data-dependent initialisation sees
 
 # The training input: (config, data) -> (loader of training batches, transform applied to each batch).
 TrainPipeline = Callable[[TrainConfig, CifarData], tuple[DataLoader, Transform]]
@@ -187,18 +190,20 @@ def set_up_run(
         f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")
     )
 
+    eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
     model = build_model(config.model_name, num_classes=len(data.class_names))
+    if hasattr(model, "init_from_data"):  # data-dependent initialisation; the result lives in the weights
+        model.init_from_data(eval_transform(data.train.images[:DATA_INIT_IMAGES]))
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if config.torch_compile:
         model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
-    optimizer = build_optimizer(config, model, learning_rate)
-    scheduler = build_scheduler(config, optimizer)
+    base_optimizer = build_optimizer(config, model, learning_rate)
     train_loader, train_transform = train_pipeline(config, data)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
     test_loader = make_loader(data.test, config.per_device_eval_batch_size, train=False)
-    model, optimizer, scheduler, train_loader, val_loader, test_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, val_loader, test_loader
+    model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
+        model, base_optimizer, train_loader, val_loader, test_loader
     )
     if config.gradient_accumulation_steps > len(train_loader):
         raise InputError(
@@ -206,9 +211,11 @@ def set_up_run(
             f"{len(train_loader)} batches an epoch has on each process, so no optimizer step would see the global "
             f"batch of {global_batch}; use at most {len(train_loader)}, or a smaller --per_device_train_batch_size"
         )
+    # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
+    steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
+    scheduler = accelerator.prepare(build_scheduler(config, base_optimizer, steps_per_epoch))
     metric = load_metric("accuracy")
     loss_fn = build_loss(config)
-    eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
     probe_images, probe_labels = (
         t[: config.per_device_train_batch_size].to(accelerator.device) for t in (data.val.images, data.val.labels)
     )
@@ -221,7 +228,7 @@ def set_up_run(
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
         load_checkpoint(accelerator, resume_path, resumed)
-        check_resumed_schedule(scheduler.scheduler, config, resume_path)
+        check_resumed_schedule(scheduler.scheduler, config, steps_per_epoch, resume_path)
         state = resumed
         logger.info(
             f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "

@@ -1,0 +1,130 @@
+"""Models by name, their hooks (data-dependent initialisation, parameter groups), optimizers and per-step
+schedules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.data import load_split
+from cifar_accel.errors import InputError
+from cifar_accel.models import MODELS, build_model
+from cifar_accel.models.fast_net import NORM_BIAS_LR_SCALE, patches_of
+from cifar_accel.optim import StepSchedule, build_optimizer
+from cifar_accel.transforms import BatchTransform
+
+from conftest import CIFAR10_JPEG, assert_same_run, crashed_copy, read_results, tiny_args
+
+needs_cifar = pytest.mark.skipif(not CIFAR10_JPEG.is_dir(), reason=f"needs the CIFAR-10 copy at {CIFAR10_JPEG}")
+
+
+def cifar_images(count: int) -> torch.Tensor:
+    """The first ``count`` real training images, normalised as training batches are."""
+    images = load_split(str(CIFAR10_JPEG), "train", None, None, max_samples=count)[0].images
+    return BatchTransform(augment=False)(images)
+
+
+@needs_cifar
+def test_whitening_makes_the_covariance_of_the_patches_it_sees_close_to_the_identity():
+    images = cifar_images(2000)
+    model = build_model("fast_net", num_classes=10)
+    raw = patches_of(images, 2)
+    raw_covariance = raw.T @ raw / len(raw)
+    model.init_from_data(images)
+    whitened = torch.nn.functional.conv2d(images, model.whiten.weight[:12])  # the filters without their negatives
+    flat = whitened.permute(0, 2, 3, 1).reshape(-1, 12)
+    covariance = flat.T @ flat / len(flat)
+    # Before: strongly correlated neighbouring pixels and channels. After: uncorrelated, each direction with
+    # variance eigenvalue / (eigenvalue + eps), which is 1 but for the faintest directions of the 12.
+    eigenvalues = torch.linalg.eigvalsh(raw_covariance)
+    assert (raw_covariance - torch.diag(raw_covariance.diag())).abs().max() > 0.5
+    assert (covariance - torch.diag(covariance.diag())).abs().max() < 0.01
+    assert covariance.diag().tolist() == pytest.approx((eigenvalues / (eigenvalues + 5e-4)).tolist(), abs=0.01)
+    model.init_from_data(images, eps=1e-9)
+    exact = torch.nn.functional.conv2d(images, model.whiten.weight[:12]).permute(0, 2, 3, 1).reshape(-1, 12)
+    assert (exact.T @ exact / len(exact) - torch.eye(12)).abs().max() < 0.01
+    assert torch.equal(model.whiten.weight[12:], -model.whiten.weight[:12])
+    assert not model.whiten.weight.requires_grad  # frozen: the checkpoint's weights carry it
+
+
+def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_norm_biases():
+    for name in MODELS:
+        logits = build_model(name, num_classes=7)(torch.randn(2, 3, 32, 32))
+        assert logits.shape == (2, 7), name
+    model = build_model("fast_net", num_classes=10)
+    config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3)
+    optimizer = build_optimizer(config, model, learning_rate=0.5)
+    biases, others = optimizer.param_groups
+    assert (biases["lr"], others["lr"]) == (0.5 * NORM_BIAS_LR_SCALE, 0.5)
+    assert biases["lr"] * biases["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert {id(p) for p in biases["params"]} == {id(m.bias) for m in norms}
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == trained  # nothing frozen, nothing missed
+    assert others["nesterov"] and others["momentum"] == 0.85
+
+
+def test_nesterov_without_sgd_momentum_is_refused():
+    with pytest.raises(InputError, match="--nesterov needs --optimizer sgd and a --momentum above 0"):
+        build_optimizer(TrainConfig(nesterov=True), build_model("simple_cnn", 10), 0.1)
+
+
+@pytest.mark.parametrize("name", ["fast_net", "resnet9", "resnet18"])
+def test_each_model_learns_above_chance_on_a_small_slice(tiny_dataset, train_here, tmp_path, name):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--model_name", name, "--num_train_epochs", "3", "--max_train_samples", "160",
+                     "--per_device_train_batch_size", "16", "--no-augment")  # fmt: skip
+    proc = train_here(args)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+    assert results["test_accuracy"] > 0.4, results["history"]  # chance is 0.1; the classes differ in colour
+
+
+def test_the_step_schedule_is_a_pure_function_of_the_step():
+    triangle = StepSchedule("linear", total_steps=100, warmup_steps=23, start_factor=0.2, end_factor=0.07)
+    assert [triangle(s) for s in (0, 23, 100, 150)] == pytest.approx([0.2, 1.0, 0.07, 0.07])
+    assert triangle(10) == pytest.approx(0.2 + 0.8 * 10 / 23)
+    assert triangle(60) == pytest.approx(1 - 0.93 * 37 / 77)
+    cosine = StepSchedule("cosine_steps", total_steps=10, warmup_steps=0, start_factor=0.0, end_factor=0.0)
+    assert [cosine(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+
+
+def per_step_args(dataset, out, *extra):
+    """Three epochs of 9 batches, accumulated in pairs: 5 optimizer steps an epoch (the last one of a single
+    batch, at the loader's end), a linear schedule over 15 steps with a warm-up of 3."""
+    return tiny_args(dataset, out, "--num_train_epochs", "3", "--gradient_accumulation_steps", "2",
+                     "--lr_scheduler_type", "linear", "--warmup_ratio", "0.2", "--lr_start_factor", "0.1",
+                     "--lr_end_factor", "0.05", "--logging_steps", "1", "--checkpointing_steps", "2",
+                     "--checkpoints_total_limit", "100", "--max_eval_samples", "40", *extra)  # fmt: skip
+
+
+def test_a_per_step_schedule_steps_once_per_optimizer_step_and_resumes_exactly(tiny_dataset, train_here, tmp_path):
+    straight = tmp_path / "straight"
+    proc = train_here(per_step_args(tiny_dataset, straight))
+    assert proc.returncode == 0, proc.stderr
+    events = EventAccumulator(str(straight / "logs" / "tensorboard"))
+    events.Reload()
+    logged = events.Scalars("step/learning_rate")
+    assert [e.step for e in logged] == list(range(1, 16))  # 15 optimizer steps from 27 batches
+    schedule = StepSchedule("linear", total_steps=15, warmup_steps=3, start_factor=0.1, end_factor=0.05)
+    # Each step trains with the rate of the steps before it, then the schedule steps once.
+    assert [e.value for e in logged] == pytest.approx([1e-3 * schedule(step - 1) for step in range(1, 16)], rel=1e-6)
+    history = read_results(straight)["history"]
+    assert [r["learning_rate"] for r in history] == pytest.approx([1e-3 * schedule(s) for s in (0, 5, 10)])
+    state = json.loads((straight / "checkpoints" / "step_00000015" / "trainer_state.json").read_text())
+    assert state["global_step"] == 15
+
+    resumed = crashed_copy(straight, tmp_path / "resumed", last_step=12)  # 2 optimizer steps into epoch 3
+    proc = train_here([*per_step_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert "2 epochs and 4 batches done" in proc.stdout
+    assert_same_run(straight, resumed)
+
+    proc = train_here([*per_step_args(tiny_dataset, resumed), "--num_train_epochs", "4", "--resume", "latest"])
+    assert proc.returncode == 2
+    assert "follows a 'linear' schedule over 15 optimizer steps, and this run would take 20" in proc.stderr
