@@ -76,7 +76,7 @@ CASES = [
     ("epochs-zero", ["--num_train_epochs", "0"], 2, ["num_train_epochs", ">= 1"]),
     ("patience-negative", ["--early_stopping_patience", "-1"], 2, ["early_stopping_patience", ">= 0"]),
     ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),
-    ("unknown-scheduler", ["--lr_scheduler_type", "linear"], 2, ["lr_scheduler_type", "invalid choice"]),
+    ("unknown-scheduler", ["--lr_scheduler_type", "exponential"], 2, ["lr_scheduler_type", "invalid choice"]),
     ("unknown-model", ["--model_name", "resnet50"], 2, ["model_name", "invalid choice"]),
     ("unknown-precision", ["--mixed_precision", "fp8"], 2, ["mixed_precision", "invalid choice"]),
     ("yaml-does-not-parse", ["--config", "{made}"], 2, ["not valid YAML", "at line 2"]),

@@ -101,7 +101,7 @@ def test_launcher_precision_is_read_from_the_environment(monkeypatch):
         ("num_train_epochs: 0\n", "'num_train_epochs' must be >= 1"),
         ("early_stopping_patience: -1\n", "'early_stopping_patience' must be >= 0"),
         ("max_grad_norm: -1\n", "'max_grad_norm' must be > 0"),
-        ("lr_scheduler_type: linear\n", "'lr_scheduler_type' must be one of step, cosine"),
+        ("lr_scheduler_type: exponential\n", "'lr_scheduler_type' must be one of step, cosine, linear, cosine_steps"),
         ("mixed_precision: fp8\n", "'mixed_precision' must be one of no, fp16, bf16"),
         ("model_name: resnet\n", "'model_name' must be one of simple_cnn"),
         ("- just\n- a list\n", "must hold a mapping"),
@@ -124,7 +124,7 @@ def test_bad_config_files_are_refused(tmp_path, yaml_text, message):
         (["--lr", "-1"], "'learning_rate' must be > 0"),
         (["--val_ratio", "0"], "'val_ratio' must be > 0"),
         (["--mixed_precision", "fp32"], "invalid choice: 'fp32'"),
-        (["--lr_scheduler_type", "linear"], "invalid choice: 'linear'"),
+        (["--lr_scheduler_type", "exponential"], "invalid choice: 'exponential'"),
     ],
 )
 def test_bad_flags_are_refused(argv, message):
