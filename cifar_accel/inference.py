@@ -15,8 +15,7 @@ from cifar_accel.config import TrainConfig, read_config_file
 from cifar_accel.data import LABELS_FILE
 from cifar_accel.errors import InputError, one_line
 from cifar_accel.models import build_model
-
-WEIGHTS_FILE = "model.safetensors"
+from cifar_accel.outputs import WEIGHTS_FILE
 
 
 @dataclass

@@ -9,11 +9,18 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch import nn
+
+from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, RunFault
 
+WEIGHTS_FILE = "model.safetensors"  # a run's final weights
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
 # What a training run writes into its folder, and --overwrite_output_dir sets aside.
@@ -111,3 +118,64 @@ def set_aside_earlier_run(folder: Path) -> Path | None:
 
 def discard_replaced_run(folder: Path) -> None:
     shutil.rmtree(folder / REPLACED_RUN, ignore_errors=True)
+
+
+def make_output_dir(config: TrainConfig) -> Path:
+    """Create ``output_dir`` if needed and make sure it is writable."""
+    output_dir = Path(config.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise InputError(
+            f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
+        ) from None
+    return output_dir
+
+
+def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
+    """Refuse a folder that holds another run's results, unless told to resume or replace it."""
+    earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
+    if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+        raise InputError(
+            f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
+            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
+        )
+
+
+@contextmanager
+def exclusive_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[None]:
+    """Hold the folder's lock (on the main process) for the whole run; every process hears of a refusal."""
+    lock = OutputDirLock(output_dir)
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            lock.acquire()
+        except InputError as err:
+            refusal = str(err)
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise InputError(refusal)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def export_weights(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
+    """``accelerator.save_model`` into a staging folder, then one atomic rename to ``model.safetensors``."""
+    staging = output_dir / f".export-{os.getpid()}"
+    try:
+        accelerator.save_model(model, staging)
+        if accelerator.is_main_process:
+            save_atomic(output_dir / WEIGHTS_FILE, lambda temporary: (staging / WEIGHTS_FILE).rename(temporary))
+    except OSError as err:
+        raise RunFault(
+            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); free space and run again with "
+            "--resume_from_checkpoint latest"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -6,10 +6,8 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import ProjectConfiguration, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -37,13 +35,19 @@ from cifar_accel.checkpoint import (
 from cifar_accel.config import TrainConfig, config_yaml, load_config
 from cifar_accel.data import LABELS_FILE, CifarData, check_dataset_path, load_data, make_loader
 from cifar_accel.engine import LossFn, Transform, evaluate_model, train_one_epoch
-from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
-from cifar_accel.inference import WEIGHTS_FILE
+from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
-from cifar_accel.outputs import OutputDirLock, save_atomic, set_aside_earlier_run, write_atomic
+from cifar_accel.outputs import (
+    check_earlier_run,
+    exclusive_output_dir,
+    export_weights,
+    make_output_dir,
+    set_aside_earlier_run,
+    write_atomic,
+)
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
@@ -61,51 +65,6 @@ def batch_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Tr
     """Shuffled uint8 batches of the in-memory train split, augmented as whole batches on the training device."""
     loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
     return loader, BatchTransform(augment=config.augment, channels_last=config.channels_last)
-
-
-def make_output_dir(config: TrainConfig) -> Path:
-    """Create ``output_dir`` if needed and make sure it is writable."""
-    output_dir = Path(config.output_dir)
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise InputError(
-            f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
-        ) from None
-    return output_dir
-
-
-def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
-    """Refuse a folder that holds another run's results, unless told to resume or replace it."""
-    earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
-    if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
-        raise InputError(
-            f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
-            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
-        )
-
-
-@contextmanager
-def exclusive_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[None]:
-    """Hold the folder's lock (on the main process) for the whole run; every process hears of a refusal."""
-    lock = OutputDirLock(output_dir)
-    refusal = None
-    if accelerator.is_main_process:
-        try:
-            lock.acquire()
-        except InputError as err:
-            refusal = str(err)
-    if accelerator.num_processes > 1:
-        refusal = broadcast_object_list([refusal])[0]
-    if refusal is not None:
-        raise InputError(refusal)
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
@@ -157,20 +116,8 @@ class Run:
     learning_rate: float
 
 
-def set_up_run(
-    config: TrainConfig, accelerator: Accelerator, output_dir: Path, precision_source: str,
-    train_pipeline: TrainPipeline,
-) -> Run:  # fmt: skip
-    """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
-    restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
-    check_earlier_run(config, output_dir)
-    logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    fingerprint = config_fingerprint(config, effective_precision(accelerator))
-    resume_path, resumed = None, None
-    if config.resume_from_checkpoint:
-        resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
-        check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
-
+def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarData, int, float]:
+    """Seed everything, load the splits, and work out the global batch and the learning rate."""
     set_seed(config.seed)
     with accelerator.main_process_first():
         data = load_data(config)
@@ -189,7 +136,24 @@ def set_up_run(
         f"{config.gradient_accumulation_steps} accumulation steps = {global_batch} global; learning rate "
         f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")
     )
+    return data, global_batch, learning_rate
 
+
+def set_up_run(
+    config: TrainConfig, accelerator: Accelerator, output_dir: Path, precision_source: str,
+    train_pipeline: TrainPipeline,
+) -> Run:  # fmt: skip
+    """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
+    restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
+    check_earlier_run(config, output_dir)
+    logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    fingerprint = config_fingerprint(config, effective_precision(accelerator))
+    resume_path, resumed = None, None
+    if config.resume_from_checkpoint:
+        resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
+        check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
+
+    data, global_batch, learning_rate = load_run_data(config, accelerator)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if hasattr(model, "init_from_data"):  # data-dependent initialisation; the result lives in the weights
@@ -264,22 +228,6 @@ def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
         )  # fmt: skip
         val_stats = evaluate_model(run.accelerator, run.model, run.val_loader, run.eval_transform, run.metric)
         monitor.end_epoch(train_stats, val_stats)
-
-
-def export_weights(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
-    """``accelerator.save_model`` into a staging folder, then one atomic rename to ``model.safetensors``."""
-    staging = output_dir / f".export-{os.getpid()}"
-    try:
-        accelerator.save_model(model, staging)
-        if accelerator.is_main_process:
-            save_atomic(output_dir / WEIGHTS_FILE, lambda temporary: (staging / WEIGHTS_FILE).rename(temporary))
-    except OSError as err:
-        raise RunFault(
-            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); free space and run again with "
-            "--resume_from_checkpoint latest"
-        ) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def finish_run(run: Run) -> dict[str, Any]:
