@@ -59,7 +59,7 @@ def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_norm_b
     model = build_model("fast_net", num_classes=10)
     config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3)
     optimizer = build_optimizer(config, model, learning_rate=0.5)
-    biases, others = optimizer.param_groups
+    others, biases = optimizer.param_groups  # the plain group first: its rate is the one logged
     assert (biases["lr"], others["lr"]) == (0.5 * NORM_BIAS_LR_SCALE, 0.5)
     assert biases["lr"] * biases["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]

@@ -68,14 +68,15 @@ class FastNet(nn.Module):
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
     def parameter_groups(self) -> list[dict]:
-        """The BatchNorm biases with ``NORM_BIAS_LR_SCALE`` times the learning rate and the weight decay divided by
-        it (the decay per step, learning rate x weight decay, stays the same), and every other trained weight."""
+        """Every trained weight but the BatchNorm biases, and those with ``NORM_BIAS_LR_SCALE`` times the learning
+        rate and the weight decay divided by it (the decay per step, learning rate x weight decay, stays the
+        same)."""
         norm_biases = [p for m in self.modules() if isinstance(m, nn.BatchNorm2d) for p in (m.bias,)]
         ids = {id(p) for p in norm_biases}
         others = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
-        return [
-            {"params": norm_biases, "lr_scale": NORM_BIAS_LR_SCALE, "weight_decay_scale": 1 / NORM_BIAS_LR_SCALE},
+        return [  # the plain group first: the learning rate that logs and records report is its
             {"params": others, "lr_scale": 1.0, "weight_decay_scale": 1.0},
+            {"params": norm_biases, "lr_scale": NORM_BIAS_LR_SCALE, "weight_decay_scale": 1 / NORM_BIAS_LR_SCALE},
         ]
 
 
