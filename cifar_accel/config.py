@@ -137,6 +137,11 @@ class TrainConfig:
         le=2**32 - 1,
     )  # fmt: skip
 
+    tta: Literal["none", "flip", "flip_translate"] = _field(
+        "none", "Test-time augmentation for the final test: none, flip (with the mirror image), or flip_translate "
+        "(also 1-pixel shifts); results.json gives the accuracy without it too.", resume="may_change",
+    )  # fmt: skip
+
     # Hardware and precision
     mixed_precision: Precision | None = _field(
         None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'.",

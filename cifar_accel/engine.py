@@ -87,16 +87,38 @@ def train_one_epoch(
     return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
 
 
+TTA_CHOICES = ("none", "flip", "flip_translate")
+
+
+def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
+    """The model's logits for ``images``, averaged over test-time augmentation views (as airbench94 does).
+
+    ``flip``: the mean over the image and its mirror image. ``flip_translate``: half that, plus a quarter each
+    of the same for the image shifted one pixel up-left and one pixel down-right (reflect padding).
+    """
+    if tta == "none":
+        return model(images)
+
+    def with_mirror(views: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (model(views) + model(views.flip(3)))
+
+    if tta == "flip":
+        return with_mirror(images)
+    padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+    shifted = (padded[:, :, :-2, :-2], padded[:, :, 2:, 2:])
+    return 0.5 * with_mirror(images) + 0.25 * (with_mirror(shifted[0]) + with_mirror(shifted[1]))
+
+
 @torch.no_grad()
 def predict(
-    accelerator: Accelerator, model: nn.Module, loader: DataLoader, transform: Transform
+    accelerator: Accelerator, model: nn.Module, loader: DataLoader, transform: Transform, tta: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predicted classes, true labels and per-sample losses, gathered from all processes, each sample once."""
     model.eval()
     gathered = []
     for images, labels in loader:
         with accelerator.autocast():
-            logits = model(transform(images))
+            logits = tta_logits(model, transform(images), tta)
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         gathered.append(accelerator.gather_for_metrics((logits.argmax(1), labels, losses)))
     predictions, references, losses = (torch.cat(parts) for parts in zip(*gathered, strict=True))
@@ -109,8 +131,9 @@ def evaluate_model(
     loader: DataLoader,
     transform: Transform,
     metric: evaluate.EvaluationModule,
+    tta: str = "none",
 ) -> dict[str, float]:
     """Loss and accuracy over ``loader``, each sample counted exactly once across processes."""
-    predictions, references, losses = predict(accelerator, model, loader, transform)
+    predictions, references, losses = predict(accelerator, model, loader, transform, tta)
     accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
     return {"loss": losses.mean().item(), "accuracy": accuracy, "samples": len(references)}

@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from cifar_accel.data import load_split, make_loader
-from cifar_accel.engine import predict
+from cifar_accel.engine import TTA_CHOICES, predict
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
 from cifar_accel.inference import load_trained_model
 from cifar_accel.metrics import load_metric
@@ -39,6 +39,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: the launcher's, or no.")
+    parser.add_argument("--tta", choices=TTA_CHOICES, default="none",
+                        help="Test-time augmentation: none (default), flip, or flip_translate.")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument("--output_dir", help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
@@ -76,6 +78,7 @@ def format_report(report: dict[str, Any], class_names: list[str]) -> str:
         lines.append(f"{row['class']:<{width}}{row['correct']:>8}{row['total']:>8}{accuracy:>10}")
     lines.append(
         f"overall accuracy {report['accuracy']:.4f} | macro F1 {report['macro_f1']:.4f} | {report['samples']} images"
+        + (f" | test-time augmentation: {report['tta']}" if report.get("tta", "none") != "none" else "")
     )
     lines.append("confusion matrix (rows: true class, columns: predicted class):")
     lines.append(" " * width + "".join(f"{name[:6]:>7}" for name in class_names))
@@ -137,11 +140,11 @@ def main(argv: Sequence[str]) -> None:
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
-    predictions, references, _ = predict(accelerator, model, loader, BatchTransform(False, run.channels_last))
+    predictions, references, _ = predict(accelerator, model, loader, BatchTransform(False, run.channels_last), args.tta)
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,
-        mixed_precision=effective_precision(accelerator),
+        mixed_precision=effective_precision(accelerator), tta=args.tta,
         num_processes=accelerator.num_processes,
     )  # fmt: skip
     if accelerator.is_main_process:

@@ -97,6 +97,7 @@ def run_results(
     accelerator: Accelerator,
     state: TrainerState,
     test: dict[str, float],
+    tta: str,
     precision: dict[str, Any],
     stopped_early: bool,
     train_samples: int,
@@ -104,14 +105,16 @@ def run_results(
     global_batch_size: int,
     learning_rate: float,
 ) -> dict[str, Any]:
-    """The contents of results.json: the outcome, the precision in effect (``precision`` is the dtype report),
-    speed and memory, the setting, and the per-epoch history."""
+    """The contents of results.json: the outcome (with the test-time augmentation ``tta`` used), the precision in
+    effect (``precision`` is the dtype report), speed and memory, the setting, and the per-epoch history."""
     history = [EpochRecord(**record) for record in state.history]
     memory, memory_measure = peak_memory(accelerator.device)
     return {
         "best_val_accuracy": state.best_val_accuracy,
         "best_epoch": state.best_epoch,
         "test_accuracy": test["accuracy"],
+        "tta": tta,  # the test-time augmentation test_accuracy used
+        "test_accuracy_no_tta": test.get("accuracy_no_tta", test["accuracy"]),
         "test_loss": test["loss"],
         "test_samples": test["samples"],
         "epochs_completed": state.epoch,

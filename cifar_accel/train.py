@@ -238,11 +238,17 @@ def finish_run(run: Run) -> dict[str, Any]:
     best_weights = safetensors.torch.load_file(checkpoint_dir(output_dir) / state.best_checkpoint / "model.safetensors")
     accelerator.unwrap_model(run.model).load_state_dict(best_weights)
     test_stats = evaluate_model(accelerator, run.model, run.test_loader, run.eval_transform, run.metric)
+    if run.config.tta != "none":  # the accuracy without it is reported too
+        plain = test_stats
+        test_stats = evaluate_model(
+            accelerator, run.model, run.test_loader, run.eval_transform, run.metric, run.config.tta
+        )
+        test_stats["accuracy_no_tta"] = plain["accuracy"]
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
     export_weights(accelerator, run.model, output_dir)
 
     results = run_results(
-        accelerator, state, test_stats, run.precision,
+        accelerator, state, test_stats, run.config.tta, run.precision,
         stopped_early=state.should_stop_early(run.config.early_stopping_patience),
         train_samples=len(run.data.train), val_samples=len(run.data.val),
         global_batch_size=run.global_batch_size, learning_rate=run.learning_rate,

@@ -1,0 +1,54 @@
+"""Test-time augmentation: the views averaged as stated, and reported by training and by evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from cifar_accel import evaluate
+from cifar_accel.engine import tta_logits
+from cifar_accel.errors import run_cli
+
+from conftest import read_results, tiny_args
+
+
+def shifted(images: torch.Tensor, rows: list[int], cols: list[int]) -> torch.Tensor:
+    return images[:, :, rows][:, :, :, cols]
+
+
+def test_tta_is_the_mean_of_the_views_computed_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    images = torch.randn(2, 3, 8, 8)
+    mirror = images[:, :, :, list(range(7, -1, -1))]
+    # One pixel down-right and one pixel up-left, the border reflected (row -1 is row 1, row 8 is row 6).
+    down_right = shifted(images, [1, *range(7)], [1, *range(7)])
+    up_left = shifted(images, [*range(1, 8), 6], [*range(1, 8), 6])
+    views = {name: model(view) for name, view in
+             [("image", images), ("mirror", mirror), ("down_right", down_right), ("up_left", up_left)]}  # fmt: skip
+    by_hand_flip = (views["image"] + views["mirror"]) / 2
+    mirrored = {name: model(view.flip(3)) for name, view in (("down_right", down_right), ("up_left", up_left))}
+    by_hand_translate = 0.5 * by_hand_flip + 0.125 * (
+        views["down_right"] + mirrored["down_right"] + views["up_left"] + mirrored["up_left"]
+    )
+    with torch.no_grad():
+        assert torch.equal(tta_logits(model, images, "none"), views["image"])
+        torch.testing.assert_close(tta_logits(model, images, "flip"), by_hand_flip)
+        torch.testing.assert_close(tta_logits(model, images, "flip_translate"), by_hand_translate)
+
+
+def test_results_and_evaluate_say_which_tta_was_used(tiny_dataset, train_here, tmp_path, capsys):
+    out = tmp_path / "run"
+    proc = train_here(tiny_args(tiny_dataset, out, "--tta", "flip_translate"))
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+    assert results["tta"] == "flip_translate"
+    assert 0 < results["test_accuracy_no_tta"] <= 1
+    for tta, expected in (("flip_translate", results["test_accuracy"]), ("none", results["test_accuracy_no_tta"])):
+        assert run_cli(evaluate.main, ["--model", str(out), "--tta", tta, "--output_dir", str(tmp_path / tta)]) == 0
+        metrics = json.loads((tmp_path / tta / "metrics.json").read_text())
+        assert (metrics["tta"], metrics["accuracy"]) == (tta, pytest.approx(expected, abs=0))
+    assert "test-time augmentation: flip_translate" in capsys.readouterr().out
