@@ -26,6 +26,7 @@ import yaml
 from cifar_accel.errors import ArgumentParser, InputError
 
 Precision = Literal["no", "fp16", "bf16"]
+TestTimeAugmentation = Literal["none", "flip", "flip_translate"]
 DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
 
 
@@ -137,7 +138,7 @@ class TrainConfig:
         le=2**32 - 1,
     )  # fmt: skip
 
-    tta: Literal["none", "flip", "flip_translate"] = _field(
+    tta: TestTimeAugmentation = _field(
         "none", "Test-time augmentation for the final test: none, flip (with the mirror image), or flip_translate "
         "(also 1-pixel shifts); results.json gives the accuracy without it too.", resume="may_change",
     )  # fmt: skip

@@ -87,9 +87,6 @@ def train_one_epoch(
     return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
 
 
-TTA_CHOICES = ("none", "flip", "flip_translate")
-
-
 def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
     """The model's logits for ``images``, averaged over test-time augmentation views (as airbench94 does).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import datasets
 import torch
 from accelerate import Accelerator
 
+from cifar_accel.config import TestTimeAugmentation
 from cifar_accel.data import load_split, make_loader
-from cifar_accel.engine import TTA_CHOICES, predict
+from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
 from cifar_accel.inference import load_trained_model
 from cifar_accel.metrics import load_metric
@@ -39,7 +41,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: the launcher's, or no.")
-    parser.add_argument("--tta", choices=TTA_CHOICES, default="none",
+    parser.add_argument("--tta", choices=typing.get_args(TestTimeAugmentation), default="none",
                         help="Test-time augmentation: none (default), flip, or flip_translate.")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument("--output_dir", help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>.")
