@@ -21,7 +21,9 @@ from typing import Any
 import safetensors.torch
 from accelerate import Accelerator
 from accelerate.utils import load as load_pickled
+from torch.optim.swa_utils import AveragedModel
 
+from cifar_accel.averaging import EMA_FILE, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig
 from cifar_accel.errors import InputError, RunFault, one_line
 
@@ -104,14 +106,19 @@ def remove_partial_checkpoints(output_dir: str | Path) -> None:
         shutil.rmtree(partial)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int) -> Path:
-    """Save the full training state; keep the newest ``keep`` checkpoints and the best one."""
+def save_checkpoint(
+    accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int, ema: AveragedModel | None = None
+) -> Path:
+    """Save the full training state (with the weight average, if any); keep the newest ``keep`` checkpoints and
+    the best one."""
     final = checkpoint_dir(output_dir) / checkpoint_name(state.global_step)
     partial = final.with_name(PARTIAL_PREFIX + final.name)  # leftovers of killed runs go at start-up
     try:
         accelerator.save_state(str(partial))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            if ema is not None:
+                save_ema(ema, partial)
             (partial / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
     except Exception as err:  # torch.save, safetensors and json each report a full disk in their own way
         shutil.rmtree(partial, ignore_errors=True)
@@ -232,7 +239,9 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**data)
 
 
-def check_checkpoint_files(accelerator: Accelerator, path: Path, state: TrainerState) -> None:
+def check_checkpoint_files(
+    accelerator: Accelerator, path: Path, state: TrainerState, ema: AveragedModel | None = None
+) -> None:
     """Every file a resume reads must be there and load as plain data: the weights (safetensors), optimizer,
     scheduler, the RNG state of each process that saved it, and the GradScaler when this run has one. Pickled
     files are read with ``weights_only=True``, so a file whose unpickling would run code is refused."""
@@ -248,6 +257,8 @@ def check_checkpoint_files(accelerator: Accelerator, path: Path, state: TrainerS
     ]
     if accelerator.scaler is not None:
         names.append("scaler.pt")
+    if ema is not None:
+        names.append(EMA_FILE)
     for name in names:
         file = path / name
         if not file.is_file():
@@ -287,11 +298,15 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         )
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainerState) -> None:
+def load_checkpoint(
+    accelerator: Accelerator, path: Path, state: TrainerState, ema: AveragedModel | None = None
+) -> None:
     """Restore everything ``save_checkpoint`` wrote into the prepared objects, after checking every file."""
-    check_checkpoint_files(accelerator, path, state)
+    check_checkpoint_files(accelerator, path, state, ema)
     try:
         accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        if ema is not None:
+            load_ema(ema, path)
     except Exception as err:  # noqa: BLE001 - any failure here means the files are damaged
         raise InputError(
             f"checkpoint '{path}' cannot be loaded ({type(err).__name__}: {one_line(err)[:200]})"

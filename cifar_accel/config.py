@@ -138,6 +138,11 @@ class TrainConfig:
         le=2**32 - 1,
     )  # fmt: skip
 
+    ema_decay: float = _field(
+        0.0, "Exponential moving average of the weights, used for validation, test and model.safetensors; 0 turns "
+        "it off. The decay warms up as min(decay, (1 + n) / (10 + n)) over the first updates.", resume="match",
+        ge=0, lt=1,
+    )  # fmt: skip
     tta: TestTimeAugmentation = _field(
         "none", "Test-time augmentation for the final test: none, flip (with the mirror image), or flip_translate "
         "(also 1-pixel shifts); results.json gives the accuracy without it too.", resume="may_change",

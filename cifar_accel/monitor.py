@@ -1,9 +1,9 @@
 """The policies around the training loop, per step and per epoch, in one object.
 
 After every batch the monitor counts it; after every optimizer step it checks that the run is still finite,
-logs step telemetry, steps a per-step schedule, saves step checkpoints and honours a stop request (SIGINT,
-SIGTERM). At an epoch's end it steps an epoch-wise schedule, records and logs the epoch, saves a checkpoint and
-again honours a stop request.
+logs step telemetry, steps a per-step schedule, updates the weight average, saves step checkpoints and honours
+a stop request (SIGINT, SIGTERM). At an epoch's end it steps an epoch-wise schedule, records and logs the epoch,
+saves a checkpoint and again honours a stop request.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from cifar_accel.checkpoint import TrainerState, save_checkpoint
@@ -91,6 +93,8 @@ class TrainingMonitor:
         stop: StopRequest,
         last_checkpoint: Path | None = None,
         replaced_run: Path | None = None,
+        ema: AveragedModel | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         self.accelerator, self.config, self.state = accelerator, config, state
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -100,6 +104,7 @@ class TrainingMonitor:
         self.schedule_per_step = steps_per_update(config)
         self.stop = stop
         self.replaced_run = replaced_run
+        self.ema, self.model = ema, model  # the weight average follows the (unwrapped) model after each step
         # The epoch under way: this process's (loss sum, correct, images), its start, training seconds carried
         # over from before a resume, and the learning rate it trains with.
         self.totals = torch.zeros(3, device=accelerator.device)
@@ -145,6 +150,8 @@ class TrainingMonitor:
             log_step(self.accelerator, state, loss, grad_norm, self.optimizer.param_groups[0]["lr"])
         if self.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
             self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         stopping = self.stop.requested(self.accelerator)
         if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
             state.epoch_totals = self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()
@@ -182,7 +189,7 @@ class TrainingMonitor:
 
     def save(self) -> Path:
         self.last_checkpoint = save_checkpoint(
-            self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit
+            self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit, ema=self.ema
         )
         if self.replaced_run is not None and self.accelerator.is_main_process:
             discard_replaced_run(self.output_dir)

@@ -21,8 +21,10 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
+from cifar_accel.averaging import build_ema, load_ema
 from cifar_accel.checkpoint import (
     TrainerState,
     check_resume,
@@ -41,6 +43,7 @@ from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
 from cifar_accel.outputs import (
+    WEIGHTS_FILE,
     check_earlier_run,
     exclusive_output_dir,
     export_weights,
@@ -114,6 +117,12 @@ class Run:
     last_checkpoint: Path | None  # the checkpoint resumed from
     global_batch_size: int
     learning_rate: float
+    ema: AveragedModel | None  # the weight average, when --ema_decay is set
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """What validation, test and export use: the weight average, if there is one."""
+        return self.model if self.ema is None else self.ema.module
 
 
 def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarData, int, float]:
@@ -178,6 +187,7 @@ def set_up_run(
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     scheduler = accelerator.prepare(build_scheduler(config, base_optimizer, steps_per_epoch))
+    ema = build_ema(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None
     metric = load_metric("accuracy")
     loss_fn = build_loss(config)
     probe_images, probe_labels = (
@@ -191,7 +201,7 @@ def set_up_run(
 
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
     if resume_path is not None:
-        load_checkpoint(accelerator, resume_path, resumed)
+        load_checkpoint(accelerator, resume_path, resumed, ema)
         check_resumed_schedule(scheduler.scheduler, config, steps_per_epoch, resume_path)
         state = resumed
         logger.info(
@@ -211,7 +221,7 @@ def set_up_run(
         scheduler=scheduler, loss_fn=loss_fn, train_loader=train_loader, train_transform=train_transform,
         val_loader=val_loader, test_loader=test_loader, eval_transform=eval_transform, metric=metric,
         precision=report, state=state, last_checkpoint=resume_path, global_batch_size=global_batch,
-        learning_rate=learning_rate,
+        learning_rate=learning_rate, ema=ema,
     )  # fmt: skip
 
 
@@ -226,26 +236,30 @@ def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
             run.config.max_grad_norm, monitor.totals, monitor.after_step,
             description=f"epoch {epoch + 1}/{run.config.num_train_epochs}",
         )  # fmt: skip
-        val_stats = evaluate_model(run.accelerator, run.model, run.val_loader, run.eval_transform, run.metric)
+        val_stats = evaluate_model(run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric)
         monitor.end_epoch(train_stats, val_stats)
 
 
 def finish_run(run: Run) -> dict[str, Any]:
-    """Test the weights with the best validation accuracy, export them as model.safetensors, write results.json."""
+    """Test the weights (or their average) with the best validation accuracy, export them as model.safetensors,
+    write results.json."""
     accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
     if state.best_epoch is None:
         raise InputError("no epoch was trained; raise --num_train_epochs")
-    best_weights = safetensors.torch.load_file(checkpoint_dir(output_dir) / state.best_checkpoint / "model.safetensors")
-    accelerator.unwrap_model(run.model).load_state_dict(best_weights)
-    test_stats = evaluate_model(accelerator, run.model, run.test_loader, run.eval_transform, run.metric)
+    best = checkpoint_dir(output_dir) / state.best_checkpoint
+    if run.ema is None:
+        accelerator.unwrap_model(run.model).load_state_dict(safetensors.torch.load_file(best / WEIGHTS_FILE))
+    else:
+        load_ema(run.ema, best)
+    test_stats = evaluate_model(accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric)
     if run.config.tta != "none":  # the accuracy without it is reported too
         plain = test_stats
         test_stats = evaluate_model(
-            accelerator, run.model, run.test_loader, run.eval_transform, run.metric, run.config.tta
+            accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric, run.config.tta
         )
         test_stats["accuracy_no_tta"] = plain["accuracy"]
     accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
-    export_weights(accelerator, run.model, output_dir)
+    export_weights(accelerator, run.eval_model, output_dir)
 
     results = run_results(
         accelerator, state, test_stats, run.config.tta, run.precision,
@@ -303,7 +317,7 @@ def run_training(
             replaced = open_run_outputs(run)
             monitor = monitor_type(
                 accelerator, config, run.state, run.optimizer, run.scheduler, output_dir, stop, run.last_checkpoint,
-                replaced,
+                replaced, run.ema, accelerator.unwrap_model(run.model),
             )  # fmt: skip
             train_epochs(run, monitor)
             results = finish_run(run)
