@@ -105,12 +105,11 @@ class TrainingMonitor:
         self.stop = stop
         self.replaced_run = replaced_run
         self.ema, self.model = ema, model  # the weight average follows the (unwrapped) model after each step
-        # The epoch under way: this process's (loss sum, correct, images), its start, training seconds carried
-        # over from before a resume, and the learning rate it trains with.
+        # The epoch under way: this process's (loss sum, correct, images), its start, and the training seconds
+        # carried over from before a resume.
         self.totals = torch.zeros(3, device=accelerator.device)
         self.epoch_start = 0.0
         self.seconds_before = 0.0
-        self.learning_rate = 0.0
 
     def stops_early(self) -> bool:
         """Whether the validation accuracy has not improved for ``early_stopping_patience`` epochs."""
@@ -125,7 +124,6 @@ class TrainingMonitor:
         self.epoch_start = time.perf_counter()
         if self.state.epoch_learning_rate is None:  # an epoch starting now (or resumed from an older checkpoint)
             self.state.epoch_learning_rate = self.scheduler.get_last_lr()[0]
-        self.learning_rate = self.state.epoch_learning_rate
         train_loader.set_epoch(epoch)
         self.totals = torch.zeros(3, device=self.accelerator.device)
         if self.accelerator.is_main_process:  # a resumed epoch's first part, counted once
@@ -172,7 +170,7 @@ class TrainingMonitor:
             val_loss=val["loss"],
             val_accuracy=val["accuracy"],
             val_samples=val["samples"],
-            learning_rate=self.learning_rate,
+            learning_rate=self.state.epoch_learning_rate,
             train_images=train["images"],
             train_seconds=train_seconds,
             train_images_per_second=train["images"] / train_seconds,

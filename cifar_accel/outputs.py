@@ -108,7 +108,10 @@ def set_aside_earlier_run(folder: Path) -> Path | None:
         return aside if aside.exists() else None
     if aside.exists():  # the earlier run is set aside already; what is here is a run that never saved a checkpoint
         for path in earlier:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         return aside
     aside.mkdir()
     for path in earlier:
