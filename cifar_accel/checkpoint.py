@@ -57,11 +57,14 @@ class TrainerState:
     skipped_steps_in_a_row: int = 0
 
     def record_epoch(self, record: dict[str, Any]) -> bool:
-        """Close one epoch with its metrics; returns whether its validation accuracy is the best so far."""
+        """Close one epoch with its metrics; returns whether its validation accuracy is the best so far (never,
+        without validation)."""
         self.epoch = record["epoch"]
         self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [0.0, 0.0, 0.0], 0.0
         self.epoch_learning_rate = None
         self.history.append(record)
+        if record["val_accuracy"] is None:
+            return False
         improved = self.best_val_accuracy is None or record["val_accuracy"] > self.best_val_accuracy
         if improved:
             self.best_val_accuracy, self.best_epoch = record["val_accuracy"], record["epoch"]
@@ -220,13 +223,15 @@ def read_trainer_state(path: Path) -> TrainerState:
     for index, record in enumerate(history, start=1):
         if not isinstance(record, dict) or record.get("epoch") != index:
             raise invalid(f"'history' entry {index} must be the record of epoch {index}")
-        number(record.get("val_accuracy"), f"history[{index}].val_accuracy", high=1)
+        val_accuracy = record.get("val_accuracy", "missing")
+        if val_accuracy is not None:  # None: a run without validation
+            number(val_accuracy, f"history[{index}].val_accuracy", high=1)
     if not isinstance(data["config_fingerprint"], dict):
         raise invalid("'config_fingerprint' must be a mapping")
     best = data["best_checkpoint"]
-    if epoch == 0:
+    if all(record["val_accuracy"] is None for record in history):  # also before the first epoch's end
         if (best, data["best_epoch"], data["best_val_accuracy"]) != (None, None, None):
-            raise invalid("a checkpoint from before the first epoch's end cannot name a best epoch")
+            raise invalid("a checkpoint without a validated epoch cannot name a best epoch")
     else:
         if not isinstance(best, str) or not _NAME.match(best):
             raise invalid(f"'best_checkpoint' must name a checkpoint folder, not {str(best)[:50]!r}")

@@ -27,7 +27,8 @@ from cifar_accel.errors import ArgumentParser, InputError
 
 Precision = Literal["no", "fp16", "bf16"]
 TestTimeAugmentation = Literal["none", "flip", "flip_translate"]
-DEFAULT_CONFIG_FILE = Path(__file__).parent / "configs" / "default.yaml"
+PRESETS_DIR = Path(__file__).parent / "configs"  # the packaged config files, selectable by name with --config
+DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
 
 
 # What a resumed run may do with a field: keep it as the checkpoint has it, or change it.
@@ -68,8 +69,9 @@ class TrainConfig:
         None, "Label column; default: the first ClassLabel column, else 'label'.", resume="match"
     )
     val_ratio: float = _field(
-        0.1, "Fraction of the train split held out for validation (seeded).", resume="match",
-        aliases=("--train_val_split",), gt=0, lt=1,
+        0.1, "Fraction of the train split held out for validation (seeded); 0 trains on all of it, with no "
+        "validation and no early stopping, and tests the final weights.", resume="match",
+        aliases=("--train_val_split",), ge=0, lt=1,
     )  # fmt: skip
     max_train_samples: int | None = _field(
         None, "Use only the first N examples of the train split (before the validation split).", resume="match", ge=1
@@ -78,8 +80,30 @@ class TrainConfig:
         None, "Use only the first N validation and N test examples.", resume="may_change", ge=1
     )
     augment: bool = _field(
-        True, "Random crop (padding 4), horizontal flip and colour jitter on training batches.", resume="match"
+        True, "Augment the training batches as the next flags say; --no-augment turns all of it off.", resume="match"
     )
+    crop_padding: int = _field(
+        4, "Random translation: pad by N pixels and crop back to 32x32 at a random place; 0 turns it off.",
+        resume="match", ge=0, le=16,
+    )  # fmt: skip
+    padding_mode: Literal["zeros", "reflect"] = _field(
+        "zeros", "What the translation shifts in: black pixels, or the image's reflection.", resume="match"
+    )
+    flip: Literal["random", "alternate", "none"] = _field(
+        "random", "Horizontal flip: each image with probability 1/2 each time, or mirrored in every other epoch "
+        "from a random first epoch (alternate), or never.", resume="match",
+    )  # fmt: skip
+    color_jitter: bool = _field(
+        True, "Colour jitter (brightness, contrast, saturation 0.2, hue 0.1) on training batches.", resume="match"
+    )
+    mixup_alpha: float = _field(
+        0.0, "MixUp: mix pairs of training images and their labels with a Beta(alpha, alpha) weight; 0 turns it off.",
+        resume="match", ge=0,
+    )  # fmt: skip
+    cutmix_alpha: float = _field(
+        0.0, "CutMix: paste a box of another training image, labels mixed by area; 0 turns it off. With MixUp too, "
+        "each batch gets one of the two.", resume="match", ge=0,
+    )  # fmt: skip
 
     # Model and optimisation
     model_name: Literal["simple_cnn", "fast_net", "resnet9", "resnet18"] = _field(
@@ -205,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
-    parser.add_argument("--config", help="YAML file with config values; flags override it.")
+    parser.add_argument(
+        "--config", help=f"A packaged preset ({', '.join(preset_names())}) or a YAML file of config values; flags "
+        "override it.",
+    )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     for name, f in FIELDS.items():
         flags = [f"--{name}", *f.metadata["aliases"]]
@@ -300,6 +327,22 @@ def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
         return  # safe_load reports the syntax error with its line
 
 
+def preset_names() -> list[str]:
+    return sorted(path.stem for path in PRESETS_DIR.glob("*.yaml"))
+
+
+def config_path(spec: str) -> Path:
+    """The file ``--config`` names: a packaged preset by its name, else a path."""
+    if spec in preset_names():
+        return PRESETS_DIR / f"{spec}.yaml"
+    if not Path(spec).exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
+        raise InputError(
+            f"--config '{_quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "
+            "preset's name or the path of a YAML file"
+        )
+    return Path(spec)
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML config file into checked values, refusing unknown keys and wrong types.
 
@@ -367,7 +410,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         options = [o for a in parser._actions for o in a.option_strings]
         raise InputError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options)}")
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
-    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
+    from_file = read_config_file(config_path(args.config)) if getattr(args, "config", None) else {}
 
     values = {**from_file, **cli}
     for name, value in cli.items():

@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, one_line
@@ -234,9 +234,10 @@ def load_split(
 
 
 def split_indices(size: int, val_ratio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the training and validation parts of a train split of ``size`` images, shuffled by ``seed``."""
+    """Indices of the training and validation parts of a train split of ``size`` images, shuffled by ``seed``;
+    with ``val_ratio`` 0 the validation part is empty."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, round(size * val_ratio))
+    num_val = max(1, round(size * val_ratio)) if val_ratio > 0 else 0
     if num_val >= size:
         raise InputError(f"--val_ratio {val_ratio} leaves no training images out of {size}")
     return order[num_val:], order[:num_val]
@@ -262,16 +263,61 @@ def load_data(config: TrainConfig) -> CifarData:
     return CifarData(train=train, val=val, test=test, class_names=class_names)
 
 
-def make_loader(split: Split, batch_size: int, train: bool, seed: int = 0) -> DataLoader:
+class TrainImages(Dataset):
+    """The training split for a DataLoader, on whichever device its tensors are: a batch is fetched with one
+    indexing operation (``__getitems__``) rather than image by image.
+
+    With ``alternate_flip`` each image is mirrored in every other epoch, starting from a random half of the
+    images (drawn from ``seed``), so that every image is seen both ways round in any two epochs in a row. The
+    flips depend only on the seed and the epoch the loader sets (``set_epoch``), so a resumed run sees the same.
+    """
+
+    def __init__(self, split: Split, alternate_flip: bool = False, seed: int = 0) -> None:
+        self.images, self.labels = split.images, split.labels
+        self.first_flips = None
+        if alternate_flip:
+            first = torch.randint(0, 2, (len(split),), generator=torch.Generator().manual_seed(seed), dtype=torch.bool)
+            self.first_flips = first.to(split.images.device)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.__getitems__([index])
+        return images[0], labels[0]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(indices, device=self.images.device)
+        images = self.images[index]
+        if self.first_flips is not None:
+            flipped = self.first_flips[index] ^ bool(self.epoch % 2)
+            images = torch.where(flipped.view(-1, 1, 1, 1), images.flip(3), images)
+        return images, self.labels[index]
+
+
+def _batch_as_fetched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch  # TrainImages.__getitems__ returns whole batches: nothing to collate
+
+
+def make_loader(split: Split, batch_size: int, train: bool, seed: int = 0, alternate_flip: bool = False) -> DataLoader:
     """Batches of (uint8 images, labels); training batches are shuffled and the last partial one dropped.
 
-    The loader gets a generator of its own, so iterating it never draws from the global torch RNG
-    that the augmentation uses: a run resumed mid-epoch then sees the same random numbers.
+    The loader gets a generator of its own, so iterating it (even unshuffled: each iteration draws a base seed)
+    never draws from the global torch RNG that the augmentation uses: a run resumed mid-epoch then sees the same
+    random numbers.
     """
+    generator = torch.Generator().manual_seed(seed)
+    if not train:
+        return DataLoader(TensorDataset(split.images, split.labels), batch_size=batch_size, generator=generator)
     return DataLoader(
-        TensorDataset(split.images, split.labels),
+        TrainImages(split, alternate_flip, seed),
         batch_size=batch_size,
-        shuffle=train,
-        drop_last=train,
-        generator=torch.Generator().manual_seed(seed),
+        shuffle=True,
+        drop_last=True,
+        collate_fn=_batch_as_fetched,
+        generator=generator,
     )

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+# A training batch of images and class labels -> (model inputs, loss targets), see transforms.TrainingTransform.
+TrainTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Called after every batch with its loss and, on optimizer steps, the gradient norm (see ``training_step``).
 AfterStep = Callable[[torch.Tensor, torch.Tensor | None], None]
@@ -57,7 +59,7 @@ def train_one_epoch(
     loader: Iterable,
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
-    transform: Transform,
+    transform: TrainTransform,
     max_grad_norm: float | None,
     totals: torch.Tensor,
     after_step: AfterStep,
@@ -66,7 +68,8 @@ def train_one_epoch(
     """Train over ``loader`` once; loss, accuracy and images summed over all processes, and this call's seconds.
 
     ``totals`` (loss sum, correct, images on this process) is added to in place and may carry the first part of
-    an epoch that was resumed mid-way; ``after_step(loss, grad_norm)`` runs after every batch.
+    an epoch that was resumed mid-way; ``after_step(loss, grad_norm)`` runs after every batch. The accuracy
+    counts against the class labels, also when MixUp or CutMix train on mixed targets.
     """
     model.train()
     start = time.perf_counter()
@@ -74,9 +77,10 @@ def train_one_epoch(
         loader, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process
     )
     for images, labels in progress:
+        inputs, targets = transform(images, labels)
         with accelerator.accumulate(model):
             loss, logits, grad_norm = training_step(
-                accelerator, model, optimizer, loss_fn, transform(images), labels, max_grad_norm
+                accelerator, model, optimizer, loss_fn, inputs, targets, max_grad_norm
             )
         totals[0] += loss.float() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()

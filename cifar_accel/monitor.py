@@ -158,8 +158,9 @@ class TrainingMonitor:
             if stopping:
                 raise self.stopped()
 
-    def end_epoch(self, train: dict[str, float], val: dict[str, float]) -> EpochRecord:
-        """Step an epoch-wise schedule, record and log the epoch, save a checkpoint, honour a stop request."""
+    def end_epoch(self, train: dict[str, float], val: dict[str, float] | None) -> EpochRecord:
+        """Step an epoch-wise schedule, record and log the epoch (``val`` is None without validation), save a
+        checkpoint, honour a stop request."""
         if not self.schedule_per_step:
             self.scheduler.step()
         train_seconds = self.seconds_before + train["seconds"]
@@ -167,9 +168,9 @@ class TrainingMonitor:
             epoch=self.state.epoch + 1,
             train_loss=train["loss"],
             train_accuracy=train["accuracy"],
-            val_loss=val["loss"],
-            val_accuracy=val["accuracy"],
-            val_samples=val["samples"],
+            val_loss=val and val["loss"],
+            val_accuracy=val and val["accuracy"],
+            val_samples=val["samples"] if val else 0,
             learning_rate=self.state.epoch_learning_rate,
             train_images=train["images"],
             train_seconds=train_seconds,

@@ -33,8 +33,8 @@ class EpochRecord:
     epoch: int
     train_loss: float = _metric("train/loss", "train loss {:.4f}")
     train_accuracy: float = _metric("train/accuracy", "acc {:.4f}")
-    val_loss: float = _metric("val/loss", "| val loss {:.4f}")
-    val_accuracy: float = _metric("val/accuracy", "acc {:.4f}")
+    val_loss: float | None = _metric("val/loss", "| val loss {:.4f}")  # None: no validation (--val_ratio 0)
+    val_accuracy: float | None = _metric("val/accuracy", "acc {:.4f}")
     val_samples: int
     learning_rate: float = _metric("learning_rate", "| lr {:.2e}")
     train_images: int
@@ -47,12 +47,16 @@ class EpochRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _metrics(self) -> list[tuple[dataclasses.Field, float]]:
+        """The tracked metrics with their values, leaving out those the epoch has none of (no validation)."""
+        values = [(f, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata]
+        return [(f, value) for f, value in values if value is not None]
+
     def tracker_values(self) -> dict[str, float]:
-        return {f.metadata["tag"]: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata}
+        return {f.metadata["tag"]: value for f, value in self._metrics()}
 
     def log_line(self) -> str:
-        parts = [f.metadata["log"].format(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata]
-        return f"epoch {self.epoch}: " + " ".join(parts)
+        return f"epoch {self.epoch}: " + " ".join(f.metadata["log"].format(value) for f, value in self._metrics())
 
 
 def loss_scale(accelerator: Accelerator) -> float | None:
@@ -105,13 +109,16 @@ def run_results(
     global_batch_size: int,
     learning_rate: float,
 ) -> dict[str, Any]:
-    """The contents of results.json: the outcome (with the test-time augmentation ``tta`` used), the precision in
+    """The contents of results.json: the outcome (the weights of the best validation epoch, or of the last one
+    without validation, and the test-time augmentation ``tta`` used), the precision in
     effect (``precision`` is the dtype report), speed and memory, the setting, and the per-epoch history."""
     history = [EpochRecord(**record) for record in state.history]
     memory, memory_measure = peak_memory(accelerator.device)
     return {
+        "validation": val_samples > 0,  # without it (--val_ratio 0) there is no best epoch
         "best_val_accuracy": state.best_val_accuracy,
         "best_epoch": state.best_epoch,
+        "tested_epoch": state.best_epoch if val_samples else state.epoch,  # the epoch whose weights were tested
         "test_accuracy": test["accuracy"],
         "tta": tta,  # the test-time augmentation test_accuracy used
         "test_accuracy_no_tta": test.get("accuracy_no_tta", test["accuracy"]),

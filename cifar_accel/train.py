@@ -35,8 +35,8 @@ from cifar_accel.checkpoint import (
     resolve_checkpoint,
 )
 from cifar_accel.config import TrainConfig, config_yaml, load_config
-from cifar_accel.data import LABELS_FILE, CifarData, check_dataset_path, load_data, make_loader
-from cifar_accel.engine import LossFn, Transform, evaluate_model, train_one_epoch
+from cifar_accel.data import LABELS_FILE, CifarData, Split, check_dataset_path, load_data, make_loader
+from cifar_accel.engine import LossFn, TrainTransform, Transform, evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
@@ -54,20 +54,23 @@ from cifar_accel.outputs import (
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
-from cifar_accel.transforms import BatchTransform
+from cifar_accel.transforms import BatchTransform, TrainingTransform
 
 logger = get_logger(__name__)
 
 DATA_INIT_IMAGES = 5000  # training images a model's data-dependent initialisation sees
 
-# The training input: (config, data) -> (loader of training batches, transform applied to each batch).
-TrainPipeline = Callable[[TrainConfig, CifarData], tuple[DataLoader, Transform]]
+# The training input: (config, data, device) -> (loader of training batches, transform applied to each batch).
+TrainPipeline = Callable[[TrainConfig, CifarData, torch.device], tuple[DataLoader, TrainTransform]]
 
 
-def batch_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Transform]:
-    """Shuffled uint8 batches of the in-memory train split, augmented as whole batches on the training device."""
-    loader = make_loader(data.train, config.per_device_train_batch_size, train=True, seed=config.seed)
-    return loader, BatchTransform(augment=config.augment, channels_last=config.channels_last)
+def batch_pipeline(config: TrainConfig, data: CifarData, device: torch.device) -> tuple[DataLoader, TrainTransform]:
+    """Shuffled uint8 batches of the train split, which is copied to the training device once, and augmented there
+    as whole batches."""
+    on_device = Split(data.train.images.to(device), data.train.labels.to(device))
+    alternate_flip = config.augment and config.flip == "alternate"
+    loader = make_loader(on_device, config.per_device_train_batch_size, True, config.seed, alternate_flip)
+    return loader, TrainingTransform(config, num_classes=len(data.class_names))
 
 
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
@@ -107,7 +110,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loss_fn: LossFn
     train_loader: DataLoader
-    train_transform: Transform
+    train_transform: TrainTransform
     val_loader: DataLoader
     test_loader: DataLoader
     eval_transform: Transform
@@ -172,7 +175,7 @@ def set_up_run(
     if config.torch_compile:
         model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
     base_optimizer = build_optimizer(config, model, learning_rate)
-    train_loader, train_transform = train_pipeline(config, data)
+    train_loader, train_transform = train_pipeline(config, data, accelerator.device)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
     test_loader = make_loader(data.test, config.per_device_eval_batch_size, train=False)
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
@@ -190,8 +193,9 @@ def set_up_run(
     ema = build_ema(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None
     metric = load_metric("accuracy")
     loss_fn = build_loss(config)
+    probe = data.val if len(data.val) else data.train  # --val_ratio 0 leaves no validation images
     probe_images, probe_labels = (
-        t[: config.per_device_train_batch_size].to(accelerator.device) for t in (data.val.images, data.val.labels)
+        t[: config.per_device_train_batch_size].to(accelerator.device) for t in (probe.images, probe.labels)
     )
     report = precision_report(
         accelerator, model, loss_fn, eval_transform(probe_images), probe_labels, config.mixed_precision,
@@ -236,21 +240,24 @@ def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
             run.config.max_grad_norm, monitor.totals, monitor.after_step,
             description=f"epoch {epoch + 1}/{run.config.num_train_epochs}",
         )  # fmt: skip
-        val_stats = evaluate_model(run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric)
+        val_stats = None  # --val_ratio 0: no validation
+        if len(run.data.val):
+            val_stats = evaluate_model(run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric)
         monitor.end_epoch(train_stats, val_stats)
 
 
 def finish_run(run: Run) -> dict[str, Any]:
-    """Test the weights (or their average) with the best validation accuracy, export them as model.safetensors,
-    write results.json."""
+    """Test the weights (or their average) with the best validation accuracy, or the final ones when there was no
+    validation, export them as model.safetensors, write results.json."""
     accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
-    if state.best_epoch is None:
+    if state.epoch == 0:
         raise InputError("no epoch was trained; raise --num_train_epochs")
-    best = checkpoint_dir(output_dir) / state.best_checkpoint
-    if run.ema is None:
-        accelerator.unwrap_model(run.model).load_state_dict(safetensors.torch.load_file(best / WEIGHTS_FILE))
-    else:
-        load_ema(run.ema, best)
+    if state.best_checkpoint is not None:
+        best = checkpoint_dir(output_dir) / state.best_checkpoint
+        if run.ema is None:
+            accelerator.unwrap_model(run.model).load_state_dict(safetensors.torch.load_file(best / WEIGHTS_FILE))
+        else:
+            load_ema(run.ema, best)
     test_stats = evaluate_model(accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric)
     if run.config.tta != "none":  # the accuracy without it is reported too
         plain = test_stats
@@ -269,10 +276,14 @@ def finish_run(run: Run) -> dict[str, Any]:
     )  # fmt: skip
     if accelerator.is_main_process:
         write_atomic(output_dir / "results.json", json.dumps(results, indent=2))
+    tested = (
+        f"best validation {results['best_val_accuracy']:.4f} at epoch {results['best_epoch']}"
+        if state.best_checkpoint is not None
+        else f"the weights of the last epoch, {state.epoch}; no validation"
+    )
     logger.info(
-        f"test accuracy {results['test_accuracy']:.4f} (best validation {results['best_val_accuracy']:.4f} at epoch "
-        f"{results['best_epoch']}); model.safetensors, results.json, config.yaml, checkpoints/ and logs/ are in "
-        f"{output_dir.resolve()}"
+        f"test accuracy {results['test_accuracy']:.4f} ({tested}); model.safetensors, results.json, config.yaml, "
+        f"checkpoints/ and logs/ are in {output_dir.resolve()}"
     )
     return results
 

@@ -1,16 +1,21 @@
-"""Batch transforms on uint8 image tensors: the chapter's augmentation, done on whole batches.
+"""Batch transforms on uint8 image tensors: the training augmentation, done on whole batches.
 
 Each image in a batch gets its own random crop offset, flip and colour-jitter
 factors, drawn from the global torch RNG (seeded by ``set_seed`` and saved in
-checkpoints), with the same distributions as torchvision's
+checkpoints). The chapter's recipe has the same distributions as torchvision's
 ``RandomCrop(32, padding=4)``, ``RandomHorizontalFlip()`` and
 ``ColorJitter(0.2, 0.2, 0.2, 0.1)``. No per-image Python runs in the hot path.
+MixUp and CutMix come from ``torchvision.transforms.v2``, which draws from the
+same RNG.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import v2
+
+from cifar_accel.config import TrainConfig
 
 # Per-channel mean and standard deviation of the CIFAR-10 training images.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -19,20 +24,33 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
-def random_crop_and_flip(images: torch.Tensor, padding: int = 4, p: float = 0.5) -> torch.Tensor:
-    """Pad with zeros, cut a randomly placed window of the original size out of each image, and mirror it
-    left-right with probability ``p``."""
+def random_crop_and_flip(
+    images: torch.Tensor, padding: int = 4, flip: bool = True, padding_mode: str = "zeros"
+) -> torch.Tensor:
+    """Pad by ``padding`` pixels (zeros, or the image's reflection), cut a randomly placed window of the original
+    size out of each image, and, with ``flip``, mirror it left-right with probability 1/2."""
     n, c, h, w = images.shape
-    padded = F.pad(images, (padding,) * 4).flatten(2)
     dy = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
     dx = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
-    flip = torch.rand(n, 1, 1, device=images.device) < p
     rows = dy + torch.arange(h, device=images.device).view(1, h, 1)
-    ramp = torch.arange(w, device=images.device)
-    cols = dx + torch.where(flip, ramp.flip(0), ramp)  # a mirrored window reads its columns right to left
-    # One gather over the flattened padded images picks each window's pixels, every channel alike.
-    index = (rows * (w + 2 * padding) + cols).view(n, 1, h * w).expand(n, c, h * w)
-    return padded.gather(2, index).view(n, c, h, w)
+    cols = dx + torch.arange(w, device=images.device)
+    if flip:  # a mirrored window reads its columns right to left
+        mirrored = torch.rand(n, 1, 1, device=images.device) < 0.5
+        cols = torch.where(mirrored, cols.flip(-1), cols)
+    if padding_mode == "reflect":  # no padded copy: the window's coordinates are reflected into the image
+        source, width = images.flatten(2), w
+        rows, cols = _reflect(rows - padding, h), _reflect(cols - padding, w)
+    else:
+        source, width = F.pad(images, (padding,) * 4).flatten(2), w + 2 * padding
+    # One gather over the flattened images picks each window's pixels, every channel alike.
+    index = (rows * width + cols).view(n, 1, h * w).expand(n, c, h * w)
+    return source.gather(2, index).view(n, c, h, w)
+
+
+def _reflect(coordinates: torch.Tensor, size: int) -> torch.Tensor:
+    """Coordinates up to ``size - 1`` outside 0..size-1 mirrored back inside, as reflect padding does it (the edge
+    pixel itself is not repeated)."""
+    return (size - 1) - ((size - 1) - coordinates.abs()).abs()
 
 
 def _grayscale(images: torch.Tensor) -> torch.Tensor:
@@ -90,18 +108,52 @@ def color_jitter(
 
 
 class BatchTransform:
-    """uint8 (N, 3, H, W) batch -> normalised float batch, optionally with the training augmentation."""
+    """uint8 (N, 3, H, W) batch -> normalised float batch, optionally with the training augmentation: a random
+    translation by up to ``padding`` pixels, a random flip, colour jitter (the chapter's recipe by default)."""
 
-    def __init__(self, augment: bool, channels_last: bool = False) -> None:
+    def __init__(
+        self,
+        augment: bool,
+        channels_last: bool = False,
+        padding: int = 4,
+        padding_mode: str = "zeros",
+        flip: bool = True,
+        color_jitter: bool = True,
+    ) -> None:
         self.augment = augment
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.padding, self.padding_mode, self.flip, self.color_jitter = padding, padding_mode, flip, color_jitter
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        if self.augment:
-            images = random_crop_and_flip(images)
+        if self.augment and (self.padding or self.flip):
+            images = random_crop_and_flip(images, self.padding, self.flip, self.padding_mode)
         images = images.float().div_(255)
-        if self.augment:
+        if self.augment and self.color_jitter:
             images = color_jitter(images, brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1)
         mean = images.new_tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
         std = images.new_tensor(CIFAR10_STD).view(1, 3, 1, 1)
         return ((images - mean) / std).contiguous(memory_format=self.memory_format)
+
+
+class TrainingTransform:
+    """A training batch of uint8 images and class labels -> (model inputs, loss targets): the augmentation of
+    ``config`` and, with --mixup_alpha or --cutmix_alpha, MixUp or CutMix, whose targets are mixed class
+    probabilities. Alternating flips are the training data's (see ``data.TrainImages``), not drawn here."""
+
+    def __init__(self, config: TrainConfig, num_classes: int) -> None:
+        self.augment = BatchTransform(
+            config.augment, config.channels_last, config.crop_padding, config.padding_mode,
+            flip=config.flip == "random", color_jitter=config.color_jitter,
+        )  # fmt: skip
+        mixes = [
+            mix(alpha=alpha, num_classes=num_classes)
+            for mix, alpha in ((v2.MixUp, config.mixup_alpha), (v2.CutMix, config.cutmix_alpha))
+            if alpha > 0 and config.augment
+        ]
+        self.mix = v2.RandomChoice(mixes) if len(mixes) > 1 else (mixes[0] if mixes else None)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self.augment(images)
+        if self.mix is None:
+            return inputs, labels
+        return self.mix(inputs, labels)

@@ -48,8 +48,8 @@ def make_monitor(
 def train_epoch(monitor: TrainingMonitor, model: nn.Module, loader: DataLoader, epoch: int = 0) -> dict:
     batches = monitor.begin_epoch(epoch, loader)
     return train_one_epoch(
-        monitor.accelerator, model, batches, monitor.optimizer, F.cross_entropy, lambda x: x, None, monitor.totals,
-        monitor.after_step,
+        monitor.accelerator, model, batches, monitor.optimizer, F.cross_entropy, lambda x, y: (x, y), None,
+        monitor.totals, monitor.after_step,
     )  # fmt: skip
 
 
