@@ -1,9 +1,10 @@
 """The policies around the training loop, per step and per epoch, in one object.
 
-After every batch the monitor counts it; after every optimizer step it checks that the run is still finite,
-logs step telemetry, steps a per-step schedule, updates the weight average, saves step checkpoints and honours
-a stop request (SIGINT, SIGTERM). At an epoch's end it steps an epoch-wise schedule, records and logs the epoch,
-saves a checkpoint and again honours a stop request.
+After every batch the monitor counts it; after every optimizer step it notes whether the run is still finite
+(checked on the host before anything is saved, not at every step), logs step telemetry, steps a per-step
+schedule, updates the weight average, saves step checkpoints and honours a stop request (SIGINT, SIGTERM). At an
+epoch's end it steps an epoch-wise schedule, records and logs the epoch, saves a checkpoint and again honours a
+stop request.
 """
 
 from __future__ import annotations
@@ -30,41 +31,59 @@ from cifar_accel.telemetry import EpochRecord, log_epoch, log_step, loss_scale
 logger = get_logger(__name__)
 
 
-def check_step(
-    accelerator: Accelerator,
-    state: TrainerState,
-    loss: torch.Tensor,
-    grad_norm: torch.Tensor,
-    max_consecutive_skipped_steps: int,
-    last_checkpoint: Path | None,
+def count_skipped_step(
+    accelerator: Accelerator, state: TrainerState, max_consecutive_skipped_steps: int, last_checkpoint: Path | None
 ) -> None:
-    """After an optimizer step: count steps the GradScaler skipped; stop a run that is no longer finite.
+    """fp16, after an optimizer step: count the steps the GradScaler skipped, and stop a run that diverged.
 
-    With a GradScaler (fp16) a non-finite gradient is an overflow: the scaler skips the step and halves the
-    scale, which is expected now and then; too many in a row means the run diverged. Without one (no, bf16)
-    nothing can skip a bad step, so the first non-finite loss or gradient stops the run. The gradients were
-    averaged over processes, so every process sees the same norm and stops at the same step.
+    A non-finite gradient is an overflow there: the scaler skips the step and halves the scale, which is expected
+    now and then; too many in a row means the run diverged. (The scaler reads its overflow flag on the host at
+    every step anyway, so asking whether it skipped costs no extra wait.)
     """
-    if accelerator.scaler is not None:
-        if not accelerator.optimizer_step_was_skipped:
-            state.skipped_steps_in_a_row = 0
-            return
-        state.skipped_steps += 1
-        state.skipped_steps_in_a_row += 1
-        if state.skipped_steps_in_a_row > max_consecutive_skipped_steps:
-            raise RunFault(
-                f"the GradScaler skipped {state.skipped_steps_in_a_row} optimizer steps in a row (loss scale now "
-                f"{accelerator.scaler.get_scale():g}) at epoch {state.epoch + 1}, optimizer step {state.global_step}: "
-                "the gradients overflow at any scale, so training diverged; "
-                + _what_to_do(last_checkpoint, "a lower --learning_rate or --mixed_precision bf16")
-            )
+    if not accelerator.optimizer_step_was_skipped:
+        state.skipped_steps_in_a_row = 0
         return
-    if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+    state.skipped_steps += 1
+    state.skipped_steps_in_a_row += 1
+    if state.skipped_steps_in_a_row > max_consecutive_skipped_steps:
         raise RunFault(
-            f"non-finite training loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at epoch "
-            f"{state.epoch + 1}, optimizer step {state.global_step}; the run stops here rather than train on NaN "
-            "weights; " + _what_to_do(last_checkpoint, "a lower --learning_rate or --max_grad_norm 1")
+            f"the GradScaler skipped {state.skipped_steps_in_a_row} optimizer steps in a row (loss scale now "
+            f"{accelerator.scaler.get_scale():g}) at epoch {state.epoch + 1}, optimizer step {state.global_step}: "
+            "the gradients overflow at any scale, so training diverged; "
+            + _what_to_do(last_checkpoint, "a lower --learning_rate or --mixed_precision bf16")
         )
+
+
+class NonFiniteGuard:
+    """Stops a run without a GradScaler (no, bf16) once its loss or gradient norm is no longer finite: nothing
+    skips a bad step there, so the weights would turn to NaN.
+
+    ``record`` notes each optimizer step on the device, without waiting for it; ``check`` waits for the device
+    and raises, naming the first bad step. The monitor checks before every checkpoint, at logged steps and at
+    each epoch's end, so nothing non-finite is ever saved. The gradients were averaged over processes, so every
+    process stops at the same check.
+    """
+
+    def __init__(self, device: torch.device, global_step: int) -> None:
+        self.step = torch.tensor(float(global_step), device=device)
+        self.first_bad = torch.zeros(
+            3, device=device
+        )  # (step, loss, gradient norm) of the first bad step; step 0: none
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.step += 1
+        values = torch.stack((self.step, loss.float(), grad_norm.float()))
+        first = ~values[1:].isfinite().all() & (self.first_bad[0] == 0)
+        self.first_bad = torch.where(first, values, self.first_bad)
+
+    def check(self, state: TrainerState, last_checkpoint: Path | None) -> None:
+        step, loss, grad_norm = self.first_bad.tolist()
+        if step:
+            raise RunFault(
+                f"non-finite training loss ({loss}) or gradient norm ({grad_norm}) at epoch {state.epoch + 1}, "
+                f"optimizer step {int(step)}; the run stops here rather than train on NaN weights; "
+                + _what_to_do(last_checkpoint, "a lower --learning_rate or --max_grad_norm 1")
+            )
 
 
 def _what_to_do(last_checkpoint: Path | None, new_run: str) -> str:
@@ -105,6 +124,7 @@ class TrainingMonitor:
         self.stop = stop
         self.replaced_run = replaced_run
         self.ema, self.model = ema, model  # the weight average follows the (unwrapped) model after each step
+        self.guard = None if accelerator.scaler is not None else NonFiniteGuard(accelerator.device, state.global_step)
         # The epoch under way: this process's (loss sum, correct, images), its start, and the training seconds
         # carried over from before a resume.
         self.totals = torch.zeros(3, device=accelerator.device)
@@ -141,10 +161,12 @@ class TrainingMonitor:
         if not self.accelerator.sync_gradients:
             return
         state.global_step += 1
-        check_step(
-            self.accelerator, state, loss, grad_norm, self.config.max_consecutive_skipped_steps, self.last_checkpoint
-        )
+        if self.guard is None:
+            count_skipped_step(self.accelerator, state, self.config.max_consecutive_skipped_steps, self.last_checkpoint)
+        else:
+            self.guard.record(loss, grad_norm)
         if state.global_step % self.config.logging_steps == 0:
+            self.check_finite()  # logging reads the loss on the host anyway
             log_step(self.accelerator, state, loss, grad_norm, self.optimizer.param_groups[0]["lr"])
         if self.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
             self.scheduler.step()
@@ -161,6 +183,7 @@ class TrainingMonitor:
     def end_epoch(self, train: dict[str, float], val: dict[str, float] | None) -> EpochRecord:
         """Step an epoch-wise schedule, record and log the epoch (``val`` is None without validation), save a
         checkpoint, honour a stop request."""
+        self.check_finite()
         if not self.schedule_per_step:
             self.scheduler.step()
         train_seconds = self.seconds_before + train["seconds"]
@@ -186,7 +209,12 @@ class TrainingMonitor:
             raise self.stopped()
         return record
 
+    def check_finite(self) -> None:
+        if self.guard is not None:
+            self.guard.check(self.state, self.last_checkpoint)
+
     def save(self) -> Path:
+        self.check_finite()
         self.last_checkpoint = save_checkpoint(
             self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit, ema=self.ema
         )

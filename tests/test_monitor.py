@@ -20,7 +20,7 @@ from cifar_accel.checkpoint import STATE_FILE, TrainerState, complete_checkpoint
 from cifar_accel.config import TrainConfig
 from cifar_accel.engine import train_one_epoch, training_step
 from cifar_accel.errors import RunFault, Stopped
-from cifar_accel.monitor import TrainingMonitor, check_step
+from cifar_accel.monitor import NonFiniteGuard, TrainingMonitor, count_skipped_step
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import EpochRecord
 
@@ -128,7 +128,7 @@ def test_overflows_are_skipped_and_counted_and_too_many_in_a_row_stop_the_run(tm
         loss, _, grad_norm = training_step(accelerator, model, optimizer, F.mse_loss, inputs, torch.zeros(8, 2))
         state.global_step += 1
         try:
-            check_step(accelerator, state, loss, grad_norm, max_consecutive_skipped_steps=3, last_checkpoint=checkpoint)
+            count_skipped_step(accelerator, state, max_consecutive_skipped_steps=3, last_checkpoint=checkpoint)
         finally:
             scales.append(accelerator.scaler.get_scale())
             assert torch.equal(model.weight, before) == overflow  # a skipped step leaves the weights alone
@@ -144,17 +144,24 @@ def test_overflows_are_skipped_and_counted_and_too_many_in_a_row_stop_the_run(tm
     assert scales == [512, 256, 128, 128, 64, 32, 16, 8]  # halved at each overflow, kept by the good step
 
 
-def test_without_a_scaler_a_non_finite_loss_stops_at_that_step():
-    accelerator = Accelerator(cpu=True)
+def test_without_a_scaler_the_first_non_finite_step_is_named_at_the_next_check(tmp_path):
     state = TrainerState(epoch=2, global_step=7)
-    finite = torch.tensor(1.0)
-    check_step(accelerator, state, finite, finite, max_consecutive_skipped_steps=3, last_checkpoint=None)
-    with pytest.raises(
-        RunFault, match=r"non-finite training loss \(nan\).* at epoch 3, optimizer step 7.*no checkpoint"
-    ):
-        check_step(accelerator, state, torch.tensor(float("nan")), finite, 3, None)
-    with pytest.raises(RunFault, match=r"gradient norm \(inf\)"):
-        check_step(accelerator, state, finite, torch.tensor(float("inf")), 3, None)
+    guard = NonFiniteGuard(torch.device("cpu"), global_step=state.global_step)
+    finite, nan, inf = torch.tensor(1.0), torch.tensor(float("nan")), torch.tensor(float("inf"))
+    guard.record(finite, finite)  # step 8
+    guard.check(state, None)
+    guard.record(nan, finite)  # step 9: noted on the device, raised at the check
+    guard.record(finite, inf)  # step 10: a later bad step does not replace the first
+    checkpoint = tmp_path / "checkpoints" / "step_00000006"
+    expected = (
+        r"loss \(nan\) or gradient norm \(1.0\) at epoch 3, optimizer step 9;.*newest checkpoint, .*step_00000006"
+    )
+    with pytest.raises(RunFault, match=expected):
+        guard.check(state, checkpoint)
+    fresh = NonFiniteGuard(torch.device("cpu"), global_step=0)
+    fresh.record(finite, inf)
+    with pytest.raises(RunFault, match=r"gradient norm \(inf\) at epoch 3, optimizer step 1;.*no checkpoint"):
+        fresh.check(state, None)
 
 
 class NaNWeightsAfterStep12(TrainingMonitor):
@@ -168,6 +175,8 @@ class NaNWeightsAfterStep12(TrainingMonitor):
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(tiny_dataset, train_here, tmp_path):
+    """The guard checks before the checkpoint of step 16: step 13 was the first NaN, and nothing after step 12 is
+    saved."""
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4")
     proc = train_here(args, monitor_type=NaNWeightsAfterStep12)  # 9 steps an epoch: step 13 is epoch 2's 4th
