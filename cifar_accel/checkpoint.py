@@ -21,9 +21,8 @@ from typing import Any
 import safetensors.torch
 from accelerate import Accelerator
 from accelerate.utils import load as load_pickled
-from torch.optim.swa_utils import AveragedModel
 
-from cifar_accel.averaging import EMA_FILE, load_ema, save_ema
+from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig
 from cifar_accel.errors import InputError, RunFault, one_line
 
@@ -110,7 +109,7 @@ def remove_partial_checkpoints(output_dir: str | Path) -> None:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int, ema: AveragedModel | None = None
+    accelerator: Accelerator, output_dir: str | Path, state: TrainerState, keep: int, ema: WeightAverage | None = None
 ) -> Path:
     """Save the full training state (with the weight average, if any); keep the newest ``keep`` checkpoints and
     the best one."""
@@ -245,7 +244,7 @@ def read_trainer_state(path: Path) -> TrainerState:
 
 
 def check_checkpoint_files(
-    accelerator: Accelerator, path: Path, state: TrainerState, ema: AveragedModel | None = None
+    accelerator: Accelerator, path: Path, state: TrainerState, ema: WeightAverage | None = None
 ) -> None:
     """Every file a resume reads must be there and load as plain data: the weights (safetensors), optimizer,
     scheduler, the RNG state of each process that saved it, and the GradScaler when this run has one. Pickled
@@ -304,7 +303,7 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
 
 
 def load_checkpoint(
-    accelerator: Accelerator, path: Path, state: TrainerState, ema: AveragedModel | None = None
+    accelerator: Accelerator, path: Path, state: TrainerState, ema: WeightAverage | None = None
 ) -> None:
     """Restore everything ``save_checkpoint`` wrote into the prepared objects, after checking every file."""
     check_checkpoint_files(accelerator, path, state, ema)

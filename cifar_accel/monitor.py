@@ -17,9 +17,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
+from cifar_accel.averaging import WeightAverage
 from cifar_accel.checkpoint import TrainerState, save_checkpoint
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import RunFault, Stopped
@@ -112,7 +112,7 @@ class TrainingMonitor:
         stop: StopRequest,
         last_checkpoint: Path | None = None,
         replaced_run: Path | None = None,
-        ema: AveragedModel | None = None,
+        ema: WeightAverage | None = None,
         model: nn.Module | None = None,
     ) -> None:
         self.accelerator, self.config, self.state = accelerator, config, state
@@ -171,7 +171,7 @@ class TrainingMonitor:
         if self.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
             self.scheduler.step()
         if self.ema is not None:
-            self.ema.update_parameters(self.model)
+            self.ema.update(self.model)
         stopping = self.stop.requested(self.accelerator)
         if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
             state.epoch_totals = self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()

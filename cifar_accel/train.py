@@ -21,10 +21,9 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
-from cifar_accel.averaging import build_ema, load_ema
+from cifar_accel.averaging import WeightAverage, load_ema
 from cifar_accel.checkpoint import (
     TrainerState,
     check_resume,
@@ -120,7 +119,7 @@ class Run:
     last_checkpoint: Path | None  # the checkpoint resumed from
     global_batch_size: int
     learning_rate: float
-    ema: AveragedModel | None  # the weight average, when --ema_decay is set
+    ema: WeightAverage | None  # the weight average, when --ema_decay is set
 
     @property
     def eval_model(self) -> nn.Module:
@@ -190,7 +189,7 @@ def set_up_run(
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     scheduler = accelerator.prepare(build_scheduler(config, base_optimizer, steps_per_epoch))
-    ema = build_ema(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None
+    ema = WeightAverage(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None
     metric = load_metric("accuracy")
     loss_fn = build_loss(config)
     probe = data.val if len(data.val) else data.train  # --val_ratio 0 leaves no validation images

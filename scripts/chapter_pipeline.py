@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import CifarData, find_columns, first_rows, load_raw, split_indices
-from cifar_accel.engine import Transform
+from cifar_accel.engine import TrainTransform
 from cifar_accel.errors import run_cli
 from cifar_accel.train import main
 from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD
@@ -54,15 +54,16 @@ def chapter_loader(split: ChapterDataset, batch_size: int, seed: int = 0) -> Dat
     )  # fmt: skip
 
 
-def chapter_pipeline(config: TrainConfig, data: CifarData) -> tuple[DataLoader, Transform]:
-    """The training images of ``data`` (same validation split), read from the raw dataset per image."""
+def chapter_pipeline(config: TrainConfig, data: CifarData, device: torch.device) -> tuple[DataLoader, TrainTransform]:
+    """The training images of ``data`` (same validation split), read from the raw dataset per image; Accelerate
+    moves each batch to ``device``."""
     raw = first_rows(load_raw(config.dataset_name, splits=("train",))["train"], config.max_train_samples)
     columns = find_columns(raw.features, config.image_column_name, config.label_column_name)
     train_indices, _ = split_indices(len(raw), config.val_ratio, config.seed)
     loader = chapter_loader(ChapterDataset(raw.select(train_indices), *columns), config.per_device_train_batch_size,
                             config.seed)  # fmt: skip
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-    return loader, lambda images: images.contiguous(memory_format=memory_format)
+    return loader, lambda images, labels: (images.contiguous(memory_format=memory_format), labels)
 
 
 if __name__ == "__main__":

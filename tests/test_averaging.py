@@ -7,14 +7,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from cifar_accel.averaging import EMA_FILE, build_ema, ema_decay_at
+from cifar_accel.averaging import EMA_FILE, WeightAverage, ema_decay_at
 
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args
 
 
 def test_the_average_follows_its_formula_with_the_decay_warming_up():
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    ema = build_ema(model, decay=0.5)
+    ema = WeightAverage(model, decay=0.5)
     expected = None
     for step in range(5):
         with torch.no_grad():
@@ -28,12 +28,15 @@ def test_the_average_follows_its_formula_with_the_decay_warming_up():
             decay = ema_decay_at(0.5, step - 1)  # 0.1, 0.18, 0.25, then 0.5 at most
             expected = [e + (w - e) * (1 - decay) if w.is_floating_point() else w for e, w in
                         zip(expected, weights, strict=True)]  # fmt: skip
-        ema.update_parameters(model)
+        ema.update(model)
     averaged = [*ema.module.parameters(), *ema.module.buffers()]
     for got, want in zip(averaged, expected, strict=True):
         torch.testing.assert_close(got, want)
     assert [ema_decay_at(0.5, n) for n in (0, 1, 2, 8, 100)] == pytest.approx([0.1, 2 / 11, 0.25, 0.5, 0.5])
-    assert int(ema.n_averaged) == 5
+    assert int(ema.n_averaged) == ema.updates == 5
+    copy = WeightAverage(model, decay=0.5)
+    copy.load_state_dict(ema.state_dict())  # as a resume does: the host's count comes from the saved one
+    assert copy.updates == 5
 
 
 def ema_args(dataset, out, *extra):
