@@ -8,6 +8,7 @@ loss scale, skipped steps and gradient norm as the run goes.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -28,6 +29,37 @@ def unsupported(precision: str) -> str | None:
         return "needs a CUDA GPU: Accelerate autocasts fp16 only on GPUs, on a CPU the run would be fp32"
     if precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return "this GPU has no bf16 support"
+    return None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), as /proc/cpuinfo says; elsewhere torch emulates
+    bf16 on a CPU, several times slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = set(cpuinfo.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def hardware_advice(effective: str, device: torch.device, has_native_bf16: bool) -> dict[str, str] | None:
+    """Advice on the precision for this hardware: bf16 on a CPU without native bf16 is emulated and slow (a
+    warning); fp32 on a CPU with native bf16 leaves speed unused (information). None when there is nothing to say."""
+    if device.type != "cpu":
+        return None
+    if effective == "bf16" and not has_native_bf16:
+        return {
+            "level": "WARNING",
+            "message": "bf16 on this CPU is emulated (no AVX-512 BF16 or AMX): a training step runs several times "
+            "slower than in fp32; use --mixed_precision no here (bf16 pays on CPUs with AMX or AVX-512 BF16, on GPUs)",
+        }
+    if effective == "no" and has_native_bf16:
+        return {
+            "level": "INFO",
+            "message": "this CPU computes bf16 natively (AVX-512 BF16 or AMX): --mixed_precision bf16 would train "
+            "faster, usually to the same accuracy",
+        }
     return None
 
 
@@ -66,6 +98,7 @@ def precision_report(
     scaler = accelerator.scaler
     return {
         "device": str(accelerator.device),
+        "advice": hardware_advice(effective, accelerator.device, native_bf16()),
         "requested": requested,
         "requested_by": source,
         "effective": effective,
@@ -98,3 +131,5 @@ def log_precision_report(report: dict[str, Any]) -> None:
         f"on {report['device']}; autocast dtype {report['autocast_dtype'] or 'none (fp32)'}; {scaler}"
     )
     logger.info("dtypes of one batch: " + ", ".join(f"{k} {v}" for k, v in report["dtypes"].items()))
+    if report["advice"] is not None:
+        logger.log(logging.getLevelName(report["advice"]["level"]), report["advice"]["message"])

@@ -129,6 +129,7 @@ def run_results(
         "mixed_precision": precision["effective"],
         "requested_mixed_precision": precision["requested"],
         "mixed_precision_source": precision["requested_by"],
+        "precision_advice": precision["advice"],  # what the hardware suggests, as logged at the start
         "train_images_per_second": sum(r.train_images for r in history) / sum(r.train_seconds for r in history),
         "seconds_per_epoch": sum(r.epoch_seconds for r in history) / len(history),
         "skipped_steps": state.skipped_steps,

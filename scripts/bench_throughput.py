@@ -43,6 +43,7 @@ from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
+from cifar_accel.precision import native_bf16
 from cifar_accel.train import DATA_INIT_IMAGES, batch_pipeline
 from cifar_accel.transforms import BatchTransform
 
@@ -60,16 +61,6 @@ def recipe(preset: str | None, model: str | None, dataset_name: str, batch_size:
     if batch_size:
         values["per_device_train_batch_size"] = batch_size
     return TrainConfig(**values)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), as /proc/cpuinfo says."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def chapter_batches(dataset_name: str, batch_size: int) -> Iterable:

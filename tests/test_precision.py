@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
-from cifar_accel.precision import precision_report
+from cifar_accel.precision import hardware_advice, precision_report
 
 from conftest import fp16_accelerator, read_results, reset_accelerate_state, tiny_args
 
@@ -141,3 +141,15 @@ def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_d
     assert [e.value for e in events.Scalars("step/learning_rate")] == pytest.approx([0.002] * 5 + [0.001] * 5)
     assert "step/loss_scale" not in events.Tags()["scalars"]  # no GradScaler without fp16
     assert complete_checkpoints(out)[-1].name == "step_00000010"
+
+
+def test_the_hardware_advice_warns_of_emulated_bf16_and_points_native_bf16_out():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    emulated = hardware_advice("bf16", cpu, has_native_bf16=False)
+    assert emulated["level"] == "WARNING"
+    assert "several times slower than in fp32; use --mixed_precision no" in emulated["message"]
+    native = hardware_advice("no", cpu, has_native_bf16=True)
+    assert native["level"] == "INFO" and "--mixed_precision bf16 would train faster" in native["message"]
+    assert hardware_advice("bf16", cpu, has_native_bf16=True) is None
+    assert hardware_advice("no", cpu, has_native_bf16=False) is None
+    assert hardware_advice("bf16", gpu, has_native_bf16=False) is None

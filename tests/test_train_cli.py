@@ -10,6 +10,8 @@ import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cifar_accel.precision import hardware_advice, native_bf16
+
 from conftest import read_results, run_cli, tiny_args
 
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
@@ -31,6 +33,9 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert 0.0 <= results["test_accuracy"] <= 1.0
     assert results["best_val_accuracy"] == results["history"][0]["val_accuracy"]
     assert f"in effect '{precision}' on cpu" in proc.stdout and "dtypes of one batch: conv_output " in proc.stdout
+    advice = hardware_advice(precision, torch.device("cpu"), native_bf16())  # this CPU's: bf16 emulated or not
+    assert results["precision_advice"] == advice
+    assert advice is None or f"{advice['level']} cifar_accel.precision: [RANK 0] {advice['message']}" in proc.stdout
 
     weights = load_file(out / "model.safetensors")
     assert weights["classifier.weight"].shape == (10, 128)
