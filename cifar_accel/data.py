@@ -7,8 +7,11 @@ a second run starts in seconds. Training then works on in-memory tensors.
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +19,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
+from datasets.fingerprint import Hasher
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from tqdm.auto import tqdm
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, one_line
@@ -132,8 +137,23 @@ def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
             return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
 
 
-def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str) -> dict:
+class DecodeProgress:
+    """What decoding a split did: a progress bar on stdout, shown where INFO is logged (the main process), and
+    the count of images decoded, which stays 0 when `datasets` had them cached."""
+
+    def __init__(self, split: str, total: int) -> None:
+        self.images = 0
+        self.bar = tqdm(total=total, desc=f"decoding {split}", unit=" images", file=sys.stdout, leave=False,
+                        disable=not logger.isEnabledFor(logging.INFO))  # fmt: skip
+
+    def update(self, images: int) -> None:
+        self.images += images
+        self.bar.update(images)
+
+
+def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str, progress: DecodeProgress) -> dict:
     """Decode encoded images to (3, 32, 32) uint8 arrays; a row that cannot be decoded is named."""
+    progress.update(len(indices))
     pixels, converted = [], []
     for index, image in zip(indices, batch[image_column], strict=True):
         if image is None or (image["bytes"] is None and image["path"] is None):
@@ -148,6 +168,9 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
         pixels.append(array)
         converted.append(original is not None)
     return {"pixels": pixels, "converted": converted}
+
+
+DECODER_CODE = inspect.getsource(_decode_batch) + inspect.getsource(to_rgb32)
 
 
 def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
@@ -182,15 +205,24 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
             label_column: dataset.features[label_column],
         }
     )
-    logger.info("%s: %d images, decoded once and cached by datasets", split, len(dataset))
+    progress, start = DecodeProgress(split, len(dataset)), time.perf_counter()
     decoded = dataset.map(
         _decode_batch,
         batched=True,
         with_indices=True,
-        fn_kwargs={"image_column": image_column, "split": split},
+        fn_kwargs={"image_column": image_column, "split": split, "progress": progress},
         remove_columns=[c for c in dataset.column_names if c != label_column],
         features=features,
+        # The cache key, given because the progress bar cannot be hashed: the data, what decoding depends on, and
+        # the decoding code itself, so a change to it decodes again.
+        new_fingerprint=Hasher.hash([dataset._fingerprint, image_column, label_column, split, features, DECODER_CODE]),
     ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64
+    progress.bar.close()
+    if progress.images:
+        seconds = time.perf_counter() - start
+        logger.info("%s: decoded %d images in %.1f s, cached by datasets for later runs", split, len(dataset), seconds)
+    else:
+        logger.info("%s: %d images from the datasets cache (decoded by an earlier run)", split, len(dataset))
     converted = decoded["converted"].to_numpy().sum()
     if converted:
         logger.info("%s: converted %d images to %dx%d RGB", split, converted, IMAGE_SIZE, IMAGE_SIZE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import datasets
 import numpy as np
@@ -24,6 +25,22 @@ def datasets_cache(tmp_path, monkeypatch):
 
 def config_for(dataset, **changes) -> TrainConfig:
     return dataclasses.replace(TrainConfig(dataset_name=str(dataset)), **changes)
+
+
+def test_decoding_shows_progress_and_the_next_load_is_a_cache_hit(tiny_dataset, caplog, capsys):
+    caplog.set_level(logging.INFO, logger="cifar_accel.data")
+    first = load_data(config_for(tiny_dataset))
+    assert "train: decoded 327 images in" in caplog.text and "test: decoded 83 images in" in caplog.text
+    assert "decoding train: " in capsys.readouterr().out  # the bar goes to stdout, stderr is for errors
+    caplog.clear()
+    second = load_data(config_for(tiny_dataset))
+    assert "train: 327 images from the datasets cache (decoded by an earlier run)" in caplog.text
+    assert "test: 83 images from the datasets cache" in caplog.text and "decoded 327" not in caplog.text
+    assert torch.equal(first.train.images, second.train.images)
+    capsys.readouterr()
+    caplog.set_level(logging.WARNING, logger="cifar_accel.data")  # as on processes other than the main one
+    load_data(config_for(tiny_dataset))
+    assert "decoding" not in capsys.readouterr().out
 
 
 def test_splits_are_uint8_tensors_with_class_names(tiny_dataset):
