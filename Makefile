@@ -1,7 +1,9 @@
 # `make train` and `make test` each create .venv and install the package first.
 VENV ?= .venv
 PYTHON ?= python3
-DATA ?= ../shared/data/cifar10-jpeg
+# The local copy when this checkout has one beside it, else the Hub's CIFAR-10 (downloaded and cached by datasets).
+LOCAL_DATA := ../shared/data/cifar10-jpeg
+DATA ?= $(if $(wildcard $(LOCAL_DATA)),$(LOCAL_DATA),uoft-cs/cifar10)
 PROFILE ?= accelerate_configs/cpu.yaml
 ARGS ?=
 

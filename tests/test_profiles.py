@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,24 @@ def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profi
     assert results["mixed_precision"] == EXPECTED[profile][0]
     assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
     assert results["epochs_completed"] == 1
+
+
+def test_make_train_reads_the_local_copy_beside_the_checkout_else_the_hub(tmp_path):
+    """`make -n` prints the command without running it; a checkout with no ../shared beside it gets the Hub id."""
+
+    def dataset_of(checkout: Path, *args: str) -> str:
+        command = subprocess.run(["make", "-n", "-C", str(checkout), "train", *args], capture_output=True, text=True)
+        assert command.returncode == 0, command.stderr
+        return command.stdout.split("--dataset_name ")[1].split()[0]
+
+    elsewhere = tmp_path / "deep" / "checkout"
+    elsewhere.mkdir(parents=True)
+    shutil.copy(REPO / "Makefile", elsewhere)
+    (elsewhere / "pyproject.toml").touch()
+    (elsewhere / ".venv").mkdir()
+    (elsewhere / ".venv" / ".installed").touch()  # installed already: make prints only the training command
+    assert dataset_of(elsewhere) == "uoft-cs/cifar10"
+    local = tmp_path / "deep" / "shared" / "data" / "cifar10-jpeg"
+    local.mkdir(parents=True)
+    assert dataset_of(elsewhere) == "../shared/data/cifar10-jpeg"
+    assert dataset_of(elsewhere, "DATA=my/cifar") == "my/cifar"
