@@ -32,13 +32,14 @@ from cifar_accel.config import TrainConfig, load_config, read_config_file
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
 from cifar_accel.outputs import OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
-from cifar_accel.precision import unsupported
+from cifar_accel.precision import native_bf16, unsupported
+from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
 
 PRECISIONS = ("no", "fp16", "bf16")
 # Fields that say where a run goes and how it starts, not what it computes.
-RUN_PLUMBING = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint")
+RUN_PLUMBING = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", "report_to", "project_name", "run_name")
 
 
 def build_parser() -> ArgumentParser:
@@ -63,8 +64,7 @@ def hardware() -> dict[str, Any]:
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
         info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-        info["cpu_native_bf16"] = bool({"avx512_bf16", "amx_bf16"} & set(flags))
+        info["cpu_native_bf16"] = native_bf16()
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -115,7 +115,8 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -
 
 def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
     """(optimizer step, loss scale) as logged to TensorBoard; empty without a GradScaler."""
-    events = EventAccumulator(str(run_dir / "logs" / "tensorboard"), size_guidance={"scalars": 0})
+    project_name = TrainConfig(**read_config_file(run_dir / "config.yaml")).project_name
+    events = EventAccumulator(str(tensorboard_dir(run_dir, project_name)), size_guidance={"scalars": 0})
     events.Reload()
     if "step/loss_scale" not in events.Tags()["scalars"]:
         return []

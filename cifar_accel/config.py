@@ -213,6 +213,18 @@ class TrainConfig:
         100, "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.",
         resume="may_change", ge=1,
     )  # fmt: skip
+    report_to: str = _field(
+        "tensorboard", "Trackers: tensorboard, all (every installed one), none, or Accelerate's tracker names "
+        "separated by commas (wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio).", resume="may_change",
+    )  # fmt: skip
+    project_name: str = _field(
+        "cifar_accel", "The trackers' project (MLflow experiment, W&B project); TensorBoard writes to "
+        "<output_dir>/logs/<project_name>.", resume="may_change",
+        pattern=(r"[\w-][\w.-]*", "letters, digits, '.', '-' and '_', not starting with '.'"),
+    )  # fmt: skip
+    run_name: str | None = _field(
+        None, "The run's name in the trackers; default: the output folder's name.", resume="may_change"
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

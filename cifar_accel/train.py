@@ -53,6 +53,7 @@ from cifar_accel.outputs import (
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
+from cifar_accel.trackers import requested_trackers, tracker_config, tracker_init_kwargs
 from cifar_accel.transforms import BatchTransform, TrainingTransform
 
 logger = get_logger(__name__)
@@ -72,17 +73,12 @@ def batch_pipeline(config: TrainConfig, data: CifarData, device: torch.device) -
     return loader, TrainingTransform(config, num_classes=len(data.class_names))
 
 
-def tracker_config(config: TrainConfig) -> dict[str, Any]:
-    """The config as TensorBoard hyperparameters (which cannot hold None)."""
-    return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
-
-
-def build_accelerator(config: TrainConfig, output_dir: Path) -> Accelerator:
+def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str] | str | None) -> Accelerator:
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision,
         cpu=config.cpu,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        log_with="tensorboard",
+        log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
         step_scheduler_with_optimizer=False,  # the schedule steps once per epoch
@@ -302,7 +298,9 @@ def open_run_outputs(run: Run) -> Path | None:
         write_atomic(output_dir / "config.yaml", config_yaml(config))
         write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
     accelerator.wait_for_everyone()
-    accelerator.init_trackers("tensorboard", config=tracker_config(config))
+    accelerator.init_trackers(
+        config.project_name, config=tracker_config(config), init_kwargs=tracker_init_kwargs(config, output_dir)
+    )
     return replaced
 
 
@@ -318,9 +316,10 @@ def run_training(
     stops the run after the current optimizer step with a checkpoint, or after the final test and export.
     """
     with StopRequest() as stop:
+        trackers = requested_trackers(config.report_to)
         check_dataset_path(config.dataset_name)
         output_dir = make_output_dir(config)
-        accelerator = build_accelerator(config, output_dir)
+        accelerator = build_accelerator(config, output_dir, trackers)
         with exclusive_output_dir(accelerator, output_dir):
             run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
             stop.defer()

@@ -107,7 +107,7 @@ def test_a_per_step_schedule_steps_once_per_optimizer_step_and_resumes_exactly(t
     straight = tmp_path / "straight"
     proc = train_here(per_step_args(tiny_dataset, straight))
     assert proc.returncode == 0, proc.stderr
-    events = EventAccumulator(str(straight / "logs" / "tensorboard"))
+    events = EventAccumulator(str(straight / "logs" / "cifar_accel"))
     events.Reload()
     logged = events.Scalars("step/learning_rate")
     assert [e.step for e in logged] == list(range(1, 16))  # 15 optimizer steps from 27 batches

@@ -133,7 +133,7 @@ def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_d
     assert results["precision_report"]["effective"] == "no" and results["skipped_steps"] == 0
     assert results["peak_memory_mib"] > 50
 
-    events = EventAccumulator(str(out / "logs" / "tensorboard"))
+    events = EventAccumulator(str(out / "logs" / "cifar_accel"))
     events.Reload()
     norms = events.Scalars("step/grad_norm")
     assert [e.step for e in norms] == list(range(1, 11))  # 9 batches an epoch make 5 optimizer steps

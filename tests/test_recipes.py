@@ -108,7 +108,7 @@ def test_a_run_on_all_the_training_data_writes_what_it_promises_and_resumes_bitw
     exported = load_file(straight / "model.safetensors")
     assert int(average.pop("n_averaged")) == 30
     assert all(torch.equal(exported[name.removeprefix("module.")], t) for name, t in average.items())
-    events = EventAccumulator(str(straight / "logs" / "tensorboard"))
+    events = EventAccumulator(str(straight / "logs" / "cifar_accel"))
     events.Reload()
     assert "train/accuracy" in events.Tags()["scalars"] and "val/accuracy" not in events.Tags()["scalars"]
 

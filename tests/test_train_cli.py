@@ -46,7 +46,7 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert torch.equal(checkpoint_weights["classifier.weight"], weights["classifier.weight"])
     assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == precision
 
-    events = EventAccumulator(str(out / "logs" / "tensorboard"))
+    events = EventAccumulator(str(out / "logs" / "cifar_accel"))
     events.Reload()
     scalars = events.Tags()["scalars"]
     for tag in (

@@ -1,0 +1,73 @@
+"""Trackers by flag: a missing package is refused before any work; MLflow, offline, gets the same scalars and
+config as TensorBoard."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cifar_accel.trackers import tensorboard_dir
+
+from conftest import read_results, tiny_args
+
+
+@pytest.mark.parametrize(
+    ("report_to", "message"),
+    [
+        ("wandb", "--report_to wandb: its package is not installed; pip install wandb, or pick another tracker"),
+        ("tensorboard,comet_ml", "--report_to comet_ml: its package is not installed; pip install comet_ml"),
+        ("tensorbored", "--report_to: 'tensorbored' is not a tracker; use tensorboard, all, none, or names from"),
+    ],
+)
+def test_a_tracker_that_cannot_run_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, report_to, message):
+    out = tmp_path / "run"
+    proc = train_here(tiny_args(tiny_dataset, out, "--report_to", report_to))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}")
+    assert not out.exists()
+
+
+def test_mlflow_offline_holds_the_scalars_and_config_that_tensorboard_holds(
+    tiny_dataset, train_here, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store, no server
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--report_to", "tensorboard,mlflow",
+                     "--project_name", "cifar_test", "--run_name", "tiny-2-epochs", "--logging_steps", "4")  # fmt: skip
+    proc = train_here(args)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("cifar_test")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "tiny-2-epochs" and run.info.status == "FINISHED"
+    assert run.data.params["model_name"] == "simple_cnn" and run.data.params["num_train_epochs"] == "2"
+    assert run.data.params["max_grad_norm"] == "none" and run.data.params["seed"] == "42"
+    val_accuracy = client.get_metric_history(run.info.run_id, "val/accuracy")
+    assert [(m.step, m.value) for m in val_accuracy] == [
+        (r["epoch"], pytest.approx(r["val_accuracy"])) for r in results["history"]
+    ]
+    (test_accuracy,) = client.get_metric_history(run.info.run_id, "test/accuracy")
+    assert test_accuracy.value == pytest.approx(results["test_accuracy"])
+    step_loss = client.get_metric_history(run.info.run_id, "step/loss")
+    assert [m.step for m in step_loss] == [4, 8, 12, 16]  # 9 optimizer steps an epoch
+
+    events = EventAccumulator(str(tensorboard_dir(out, "cifar_test")))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(run.data.metrics)  # the same scalars in both
+    for tag in run.data.metrics:
+        tensorboard = [(e.step, e.value) for e in events.Scalars(tag)]
+        mlflow = [(m.step, pytest.approx(m.value)) for m in client.get_metric_history(run.info.run_id, tag)]
+        assert tensorboard == mlflow, tag
+
+
+def test_report_to_none_writes_no_event_files(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "run"
+    proc = train_here(tiny_args(tiny_dataset, out, "--report_to", "none"))
+    assert proc.returncode == 0, proc.stderr
+    assert read_results(out)["epochs_completed"] == 1
+    assert not list((out / "logs").rglob("events.out.tfevents.*"))
