@@ -113,12 +113,10 @@ class ImageTooLarge(ValueError):
 
 
 def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
-    """Decode an image file into a (3, 32, 32) uint8 array, converting other modes and sizes.
+    """Decode an image file into a (3, 32, 32) uint8 array, converting other modes and sizes (``image_to_rgb32``).
 
-    Returns the array and, when the image had to be converted, what it was (for example 'L 64x48', or
-    'RGB 4032x3024, EXIF-rotated' for a phone photo whose EXIF orientation was applied). Training data and the
-    images given to ``predict`` go through this same function. Raises ``ImageTooLarge`` above
-    ``MAX_IMAGE_PIXELS``, and PIL's errors for a file that is not a readable image.
+    Training data and the images given to ``predict`` go through this same function. Raises ``ImageTooLarge``
+    above ``MAX_IMAGE_PIXELS``, and PIL's errors for a file that is not a readable image.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)  # refused below instead of warned about
@@ -126,15 +124,22 @@ def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ImageTooLarge(f"{image.width}x{image.height} pixels, more than the {MAX_IMAGE_PIXELS:,} accepted")
             image.load()
-            original = f"{image.mode} {image.width}x{image.height}"
-            rotated = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
-            if rotated:
-                image = ImageOps.exif_transpose(image)
-                original += ", EXIF-rotated"
-            converted = rotated or image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
-            if converted:
-                image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
-            return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
+            return image_to_rgb32(image)
+
+
+def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
+    """A PIL image as a (3, 32, 32) uint8 array: its EXIF orientation applied, converted to RGB and resized to
+    32x32 (bilinear) where it is not. Returns the array and, when the image had to be converted, what it was (for
+    example 'L 64x48', or 'RGB 4032x3024, EXIF-rotated' for a phone photo)."""
+    original = f"{image.mode} {image.width}x{image.height}"
+    rotated = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
+    if rotated:
+        image = ImageOps.exif_transpose(image)
+        original += ", EXIF-rotated"
+    converted = rotated or image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
+    if converted:
+        image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1), original if converted else None
 
 
 class DecodeProgress:
@@ -170,7 +175,7 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
     return {"pixels": pixels, "converted": converted}
 
 
-DECODER_CODE = inspect.getsource(_decode_batch) + inspect.getsource(to_rgb32)
+DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, image_to_rgb32))
 
 
 def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:

@@ -23,12 +23,11 @@ from cifar_accel.config import TestTimeAugmentation
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
-from cifar_accel.inference import load_trained_model
+from cifar_accel.inference import load_model
 from cifar_accel.metrics import load_metric
 from cifar_accel.outputs import save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision
-from cifar_accel.transforms import BatchTransform
 
 
 def build_parser() -> ArgumentParser:
@@ -121,7 +120,7 @@ def main(argv: Sequence[str]) -> None:
             raise InputError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     datasets.disable_progress_bars()
-    trained = load_trained_model(args.model)
+    trained = load_model(args.model)
     run = trained.config
     output_dir = Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")
     if output_dir.exists() and not output_dir.is_dir():
@@ -142,7 +141,7 @@ def main(argv: Sequence[str]) -> None:
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
-    predictions, references, _ = predict(accelerator, model, loader, BatchTransform(False, run.channels_last), args.tta)
+    predictions, references, _ = predict(accelerator, model, loader, trained.preprocess, args.tta)
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,

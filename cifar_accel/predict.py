@@ -18,8 +18,7 @@ from PIL import Image
 
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, one_line, run_cli
-from cifar_accel.inference import load_trained_model
-from cifar_accel.transforms import BatchTransform
+from cifar_accel.inference import load_model
 
 IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
 
@@ -80,14 +79,13 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     if args.top_k < 1:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
-    trained = load_trained_model(args.model)
+    trained = load_model(args.model)
     files, skipped = image_files(args.images)
     images, originals = read_images(files)
     accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
-    model = accelerator.prepare(trained.model)
-    transform = BatchTransform(augment=False, channels_last=trained.config.channels_last)
-    with torch.no_grad(), accelerator.autocast():
-        probabilities = model(transform(images.to(accelerator.device))).float().softmax(1).cpu()
+    trained.model = accelerator.prepare(trained.model)
+    with accelerator.autocast():
+        probabilities = trained.probabilities(images)
     top = probabilities.topk(min(args.top_k, len(trained.class_names)), dim=1)
 
     for file, original, scores, indices in zip(files, originals, top.values, top.indices, strict=True):

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from cifar_accel.data import load_split
-from cifar_accel.inference import load_trained_model
+from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 
-from conftest import CLASS_NAMES, make_images, read_results, run_cli, tiny_args, train_in_process
+from conftest import CLASS_NAMES, REPO, make_images, read_results, run_cli, tiny_args, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_e
         dataset.to_parquet(tmp_path / "ds" / "data" / f"{split}-00000-of-00001.parquet")
 
     split, _ = load_split(str(tmp_path / "ds"), "test", None, None, None)
-    trained = load_trained_model(trained_run)
+    trained = load_model(trained_run)
     with torch.no_grad():
         expected = trained.model(BatchTransform(False, trained.config.channels_last)(split.images)).argmax(1)
 
@@ -128,3 +128,30 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
     assert two["num_processes"] == 2 and one["num_processes"] == 1
     assert two["samples"] == one["samples"] == 83
     assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
+
+
+def test_the_readmes_python_example_runs_and_agrees_with_the_model(trained_run, tmp_path, monkeypatch, capsys):
+    readme = (REPO / "README.md").read_text()
+    example = next(block for block in readme.split("```python\n")[1:] if "from cifar_accel import load_model" in block)
+    example = example.split("```")[0]
+    (tmp_path / "outputs").mkdir()
+    shutil.copytree(trained_run, tmp_path / "outputs" / "cifar10")
+    cat = make_images(1, seed=5)[0][0].resize((48, 40))  # converted to 32x32 as a training image would be
+    cat.save(tmp_path / "cat.png")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+
+    class_names, top3 = capsys.readouterr().out.strip().splitlines()
+    assert class_names == str(CLASS_NAMES)
+    classifier = namespace["classifier"]
+    with torch.no_grad():
+        batch = classifier.as_batch([Image.open(tmp_path / "cat.png")])
+        probabilities = classifier.model(classifier.preprocess(batch)).softmax(1)[0]
+    best = probabilities.topk(3)
+    assert top3 == str([[(CLASS_NAMES[i], float(p)) for p, i in zip(best.values, best.indices, strict=True)]])
+    assert namespace["probabilities"].shape == (4, 10)
+    assert torch.allclose(namespace["probabilities"].sum(1), torch.ones(4))
+    assert namespace["logits"].shape == (4, 10) and not classifier.model.training
+    with pytest.raises(ValueError, match=r"expected uint8 images of shape \(N, 3, 32, 32\), got torch.float32"):
+        classifier.predict(torch.zeros(2, 3, 32, 32))
