@@ -42,7 +42,9 @@ class TrainerState:
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # batches of the current epoch already trained on
     global_step: int = 0  # optimizer steps taken
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images so far
+    # Per process, the epoch so far: [loss sum, correct, images]; each process resumes its own, so the sums go on
+    # in the same order as in an uninterrupted run. Empty at an epoch's end.
+    epoch_totals: list[list[float]] = field(default_factory=list)
     epoch_train_seconds: float = 0.0  # training time of the current epoch so far
     epoch_learning_rate: float | None = None  # the learning rate the current epoch started with
     best_val_accuracy: float | None = None
@@ -59,7 +61,7 @@ class TrainerState:
         """Close one epoch with its metrics; returns whether its validation accuracy is the best so far (never,
         without validation)."""
         self.epoch = record["epoch"]
-        self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [0.0, 0.0, 0.0], 0.0
+        self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [], 0.0
         self.epoch_learning_rate = None
         self.history.append(record)
         if record["val_accuracy"] is None:
@@ -203,16 +205,21 @@ def read_trainer_state(path: Path) -> TrainerState:
     epoch = count("epoch")
     for name in ("step_in_epoch", "epochs_without_improvement", "skipped_steps", "skipped_steps_in_a_row"):
         count(name)
-    count("num_processes", low=1)
+    processes = count("num_processes", low=1)
     step = count("global_step")
     if match := _NAME.match(path.name):
         if int(match.group(1)) != step:
             raise invalid(f"'global_step' is {step} but the folder is named for step {int(match.group(1))}")
     totals = data["epoch_totals"]
-    if not isinstance(totals, list) or len(totals) != 3:
-        raise invalid("'epoch_totals' must be a list of 3 numbers")
-    for value in totals:
-        number(value, "epoch_totals")
+    if isinstance(totals, list) and len(totals) == 3 and not any(isinstance(t, list) for t in totals):
+        totals = data["epoch_totals"] = [totals] + [[0.0] * 3] * (processes - 1)  # the sum of all, as once written
+    if not isinstance(totals, list) or len(totals) not in (0, processes):
+        raise invalid(f"'epoch_totals' must hold [loss sum, correct, images] for each of the {processes} processes")
+    for process_totals in totals:
+        if not isinstance(process_totals, list) or len(process_totals) != 3:
+            raise invalid("'epoch_totals' must hold a list of 3 numbers for each process")
+        for value in process_totals:
+            number(value, "epoch_totals")
     number(data["epoch_train_seconds"], "epoch_train_seconds")
     if data.get("epoch_learning_rate") is not None:
         number(data["epoch_learning_rate"], "epoch_learning_rate")

@@ -146,8 +146,10 @@ class TrainingMonitor:
             self.state.epoch_learning_rate = self.scheduler.get_last_lr()[0]
         train_loader.set_epoch(epoch)
         self.totals = torch.zeros(3, device=self.accelerator.device)
-        if self.accelerator.is_main_process:  # a resumed epoch's first part, counted once
-            self.totals += torch.tensor(self.state.epoch_totals, device=self.accelerator.device)
+        if self.state.epoch_totals:  # a resumed epoch's first part: each process carries on its own sums
+            self.totals += torch.tensor(
+                self.state.epoch_totals[self.accelerator.process_index], device=self.totals.device
+            )
         self.seconds_before = self.state.epoch_train_seconds
         if self.state.step_in_epoch:
             return self.accelerator.skip_first_batches(train_loader, self.state.step_in_epoch)
@@ -174,7 +176,7 @@ class TrainingMonitor:
             self.ema.update(self.model)
         stopping = self.stop.requested(self.accelerator)
         if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
-            state.epoch_totals = self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()
+            state.epoch_totals = self.accelerator.gather(self.totals.unsqueeze(0)).tolist()
             state.epoch_train_seconds = self.seconds_before + time.perf_counter() - self.epoch_start
             self.save()
             if stopping:

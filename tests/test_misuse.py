@@ -172,7 +172,8 @@ STATE_CASES = [
     ({"best_checkpoint": None}, "'best_checkpoint' must name a checkpoint folder, not 'None'"),
     ({"best_checkpoint": "step_00000099"}, "its best checkpoint 'step_00000099' does not exist"),
     ({"best_epoch": 3}, "'best_epoch' must be an epoch from 1 to 2"),
-    ({"epoch_totals": [1, 2]}, "'epoch_totals' must be a list of 3 numbers"),
+    ({"epoch_totals": [1, 2]}, "'epoch_totals' must hold [loss sum, correct, images] for each of the 1 processes"),
+    ({"epoch_totals": [[1, 2]]}, "'epoch_totals' must hold a list of 3 numbers for each process"),
     ({"history": []}, "'history' must be a list of 2 epoch records"),
     ({"surprise": 1}, "unexpected or missing keys: surprise"),
 ]
@@ -189,6 +190,16 @@ def test_an_invalid_trainer_state_is_refused_before_anything_is_written(earlier_
     line = one_error_line(proc)
     assert "step_00000018' has an invalid trainer_state.json (" in line and message in line
     assert snapshot(earlier_run) == before
+
+
+def test_a_checkpoint_with_the_epoch_totals_of_all_processes_in_one_list_still_resumes(
+    earlier_run, tiny_dataset, train_here
+):
+    """Checkpoints once kept one [loss sum, correct, images] for all processes; they are read as process 0's."""
+    edit_state(earlier_run / "checkpoints" / "step_00000018", epoch_totals=[0.0, 0.0, 0.0])
+    proc = train_here([*run_args(tiny_dataset, earlier_run, "--num_train_epochs", "3"), "--resume", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((earlier_run / "results.json").read_text())["epochs_completed"] == 3
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"])

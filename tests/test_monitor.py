@@ -61,7 +61,7 @@ def test_after_step_counts_batches_and_optimizer_steps_and_saves_every_n_steps(t
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004", "step_00000006"]
     saved = json.loads((tmp_path / "checkpoints" / "step_00000004" / STATE_FILE).read_text())
     assert (saved["step_in_epoch"], saved["global_step"]) == (8, 4)
-    assert saved["epoch_totals"][2] == 32  # the images of the epoch so far, kept for a mid-epoch resume
+    assert saved["epoch_totals"][0][2] == 32  # the images of the epoch so far, kept for a mid-epoch resume
     assert saved["epoch_train_seconds"] > 0
     assert stats["images"] == 48 and monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
 
