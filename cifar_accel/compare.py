@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -24,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
@@ -32,7 +29,8 @@ from cifar_accel.config import TrainConfig, load_config, read_config_file
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
 from cifar_accel.outputs import OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
-from cifar_accel.precision import native_bf16, unsupported
+from cifar_accel.precision import unsupported
+from cifar_accel.telemetry import hardware
 from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
@@ -55,20 +53,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--output_dir", default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
-
-
-def hardware() -> dict[str, Any]:
-    """What the runs ran on."""
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-        info["cpu_native_bf16"] = native_bf16()
-    info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def same_config(run_dir: Path, config: TrainConfig) -> bool:

@@ -54,13 +54,14 @@ class CifarData:
     class_names: list[str]
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
+    """Whether a --dataset_name is a local path rather than a Hub id."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
 def check_dataset_path(dataset_name: str) -> None:
     """Refuse a local dataset path that does not exist, before any work starts."""
-    if _looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
+    if looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
 
 
@@ -69,7 +70,7 @@ def load_raw(dataset_name: str, splits: tuple[str, ...] = ("train", "test")) -> 
     check_dataset_path(dataset_name)
     try:
         raw = datasets.load_dataset(
-            str(Path(dataset_name).expanduser()) if _looks_like_path(dataset_name) else dataset_name
+            str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name
         )
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None

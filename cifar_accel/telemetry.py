@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import resource
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import accelerate
@@ -16,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from cifar_accel.checkpoint import TrainerState
+from cifar_accel.precision import native_bf16
 
 logger = get_logger(__name__)
 
@@ -57,6 +60,20 @@ class EpochRecord:
 
     def log_line(self) -> str:
         return f"epoch {self.epoch}: " + " ".join(f.metadata["log"].format(value) for f, value in self._metrics())
+
+
+def hardware() -> dict[str, Any]:
+    """What a run ran on: the CPU (model, cores, native bf16), torch's CPU capability and the GPU."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+        info["cpu_native_bf16"] = native_bf16()
+    info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def loss_scale(accelerator: Accelerator) -> float | None:
@@ -140,6 +157,7 @@ def run_results(
         "global_batch_size": global_batch_size,
         "learning_rate": learning_rate,
         "device": str(accelerator.device),
+        "hardware": hardware(),
         "train_samples": train_samples,
         "val_samples": val_samples,
         "history": state.history,

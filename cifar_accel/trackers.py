@@ -43,10 +43,14 @@ def tracker_config(config: TrainConfig) -> dict[str, Any]:
     return {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
 
 
+def run_name(config: TrainConfig, output_dir: Path) -> str:
+    """The run's name in trackers and its model card: ``--run_name``, else the output folder's name."""
+    return config.run_name or output_dir.resolve().name
+
+
 def tracker_init_kwargs(config: TrainConfig, output_dir: Path) -> dict[str, dict[str, Any]]:
-    """Each tracker's keyword arguments: the run's name (``--run_name``, else the output folder's name)."""
-    run_name = config.run_name or output_dir.resolve().name
-    return {tracker: {keyword: run_name} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
+    """Each tracker's keyword arguments: the run's name."""
+    return {tracker: {keyword: run_name(config, output_dir)} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
 
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.averaging import WeightAverage, load_ema
+from cifar_accel.card import write_model_card
 from cifar_accel.checkpoint import (
     TrainerState,
     check_resume,
@@ -271,14 +272,15 @@ def finish_run(run: Run) -> dict[str, Any]:
     )  # fmt: skip
     if accelerator.is_main_process:
         write_atomic(output_dir / "results.json", json.dumps(results, indent=2))
+        write_model_card(run.config, results, output_dir)
     tested = (
         f"best validation {results['best_val_accuracy']:.4f} at epoch {results['best_epoch']}"
         if state.best_checkpoint is not None
         else f"the weights of the last epoch, {state.epoch}; no validation"
     )
     logger.info(
-        f"test accuracy {results['test_accuracy']:.4f} ({tested}); model.safetensors, results.json, config.yaml, "
-        f"checkpoints/ and logs/ are in {output_dir.resolve()}"
+        f"test accuracy {results['test_accuracy']:.4f} ({tested}); model.safetensors, results.json, the model card "
+        f"(README.md), config.yaml, checkpoints/ and logs/ are in {output_dir.resolve()}"
     )
     return results
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -36,6 +37,29 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     advice = hardware_advice(precision, torch.device("cpu"), native_bf16())  # this CPU's: bf16 emulated or not
     assert results["precision_advice"] == advice
     assert advice is None or f"{advice['level']} cifar_accel.precision: [RANK 0] {advice['message']}" in proc.stdout
+
+    # The model card: the Hub's format, its metadata parsed as YAML and by huggingface_hub, against results.json.
+    _, metadata, body = (out / "README.md").read_text().split("---\n", 2)
+    meta = yaml.safe_load(metadata)
+    assert (meta["library_name"], meta["pipeline_tag"], meta["metrics"]) == (
+        "cifar-accel",
+        "image-classification",
+        ["accuracy"],
+    )
+    assert {"simple_cnn", f"precision-{precision}", "cifar10"} <= set(meta["tags"])
+    (entry,) = meta["model-index"]
+    (result,) = entry["results"]
+    assert entry["name"] == "run" and result["task"]["type"] == "image-classification"
+    assert result["dataset"] == {"name": f"CIFAR-10 ({tiny_dataset.name})", "type": "cifar10", "split": "test"}
+    assert result["metrics"] == [
+        {"type": "accuracy", "value": results["test_accuracy"], "name": "Test accuracy (TTA: none)"}
+    ]
+    card = ModelCard.load(out / "README.md")
+    assert card.data.eval_results[0].metric_value == results["test_accuracy"]
+    assert f"| test accuracy | {results['test_accuracy']:.4f} (test-time augmentation: none) |" in body
+    assert f"| precision in effect | {precision} (requested `{precision}` by --mixed_precision flag) |" in body
+    assert "![training curves](curves.png)" in body and "from cifar_accel import load_model" in body
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     weights = load_file(out / "model.safetensors")
     assert weights["classifier.weight"].shape == (10, 128)

@@ -1,0 +1,139 @@
+"""The model card: README.md beside the weights, in the Hub's format (YAML metadata, then prose and tables), and the
+training curves it shows (curves.png)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from cifar_accel.config import TrainConfig, config_yaml
+from cifar_accel.data import looks_like_path
+from cifar_accel.outputs import WEIGHTS_FILE, save_atomic, write_atomic
+from cifar_accel.plots import pyplot
+from cifar_accel.trackers import run_name
+
+CARD_FILE = "README.md"
+CURVES_FILE = "curves.png"
+
+
+def plot_curves(history: list[dict[str, Any]], path: Path) -> bool:
+    """Loss and accuracy per epoch, training and (where there was one) validation; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    epochs = [record["epoch"] for record in history]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("loss", "accuracy"), strict=True):
+        ax.plot(epochs, [record[f"train_{metric}"] for record in history], marker="o", label="train")
+        if history and history[0][f"val_{metric}"] is not None:
+            ax.plot(epochs, [record[f"val_{metric}"] for record in history], marker="o", label="validation")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    save_atomic(path, lambda temporary: fig.savefig(temporary, format="png"))
+    plt.close(fig)
+    return True
+
+
+def card_metadata(config: TrainConfig, results: dict[str, Any], run_name: str) -> ModelCardData:
+    """The card's YAML block: library, tags, dataset, metric, and a model-index entry with the test accuracy."""
+    local = looks_like_path(config.dataset_name)
+    dataset_id = "cifar10" if local else config.dataset_name
+    dataset_label = f"CIFAR-10 ({Path(config.dataset_name).name})" if local else "CIFAR-10"
+    return ModelCardData(
+        library_name="cifar-accel",
+        pipeline_tag="image-classification",
+        tags=[
+            "image-classification",
+            "cifar10",
+            "accelerate",
+            config.model_name,
+            f"precision-{results['mixed_precision']}",
+        ],  # fmt: skip
+        datasets=None if local else [config.dataset_name],
+        metrics=["accuracy"],
+        model_name=run_name,
+        eval_results=[
+            EvalResult(
+                task_type="image-classification",
+                task_name="Image Classification",
+                dataset_type=dataset_id,
+                dataset_name=dataset_label,
+                dataset_split="test",
+                metric_type="accuracy",
+                metric_value=results["test_accuracy"],
+                metric_name=f"Test accuracy (TTA: {results['tta']})",
+            )
+        ],
+    )
+
+
+def model_card(config: TrainConfig, results: dict[str, Any], run_name: str, curves: bool) -> ModelCard:
+    """The card of a finished run, from its config and results.json."""
+    hardware = results["hardware"]
+    machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
+    tested = (f"the weights of epoch {results['tested_epoch']}, the best validation accuracy "
+              f"({results['best_val_accuracy']:.4f})" if results["validation"] else
+              f"the weights of the last epoch, {results['tested_epoch']} (no validation split)")  # fmt: skip
+    averaged = f", averaged (EMA, decay {config.ema_decay})" if config.ema_decay else ""
+    curves_text = f"![training curves]({CURVES_FILE})" if curves else "(matplotlib was not installed: no curves.png)"
+    body = f"""
+# {run_name}
+
+A `{config.model_name}` trained on CIFAR-10 (`{config.dataset_name}`) with `cifar_accel`: one plain PyTorch
+loop prepared by Hugging Face Accelerate.
+
+## Results
+
+| | |
+|---|---|
+| test accuracy | {results["test_accuracy"]:.4f} (test-time augmentation: {results["tta"]}) |
+| test accuracy without TTA | {results["test_accuracy_no_tta"]:.4f} |
+| tested | {tested}{averaged} |
+| test images | {results["test_samples"]} |
+| epochs | {results["epochs_completed"]}{" (stopped early)" if results["stopped_early"] else ""} |
+
+## Training
+
+| | |
+|---|---|
+| precision in effect | {results["mixed_precision"]} (requested `{results["requested_mixed_precision"]}` by {results["mixed_precision_source"]}) |
+| hardware | {machine}, {results["num_processes"]} process(es), device `{results["device"]}` |
+| batch, learning rate | {results["global_batch_size"]} global, {results["learning_rate"]:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
+| training images | {results["train_samples"]} ({results["val_samples"]} held out for validation) |
+| speed | {results["seconds_per_epoch"]:.1f} s per epoch, {results["train_images_per_second"]:.0f} training images/s |
+| peak memory | {results["peak_memory_mib"]:.0f} MiB ({results["peak_memory_measure"]}) |
+
+{curves_text}
+
+<details><summary>The effective config (config.yaml)</summary>
+
+```yaml
+{config_yaml(config).rstrip()}
+```
+
+</details>
+
+## How to use
+
+```python
+from cifar_accel import load_model
+
+classifier = load_model("path/to/this/folder")   # {WEIGHTS_FILE}, config.yaml and labels.json
+classifier.predict([image], top_k=3)              # PIL images, or a uint8 batch (N, 3, 32, 32)
+```
+
+or from the command line: `python -m cifar_accel.predict --model path/to/this/folder images/` and
+`python -m cifar_accel.evaluate --model path/to/this/folder --tta {results["tta"]}`.
+"""  # noqa: E501 - table rows
+    return ModelCard(f"---\n{card_metadata(config, results, run_name).to_yaml()}\n---\n{body}")
+
+
+def write_model_card(config: TrainConfig, results: dict[str, Any], output_dir: Path) -> None:
+    """curves.png and README.md in the output folder."""
+    curves = plot_curves(results["history"], output_dir / CURVES_FILE)
+    write_atomic(output_dir / CARD_FILE, str(model_card(config, results, run_name(config, output_dir), curves)))
