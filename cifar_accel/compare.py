@@ -37,7 +37,10 @@ logger = logging.getLogger("cifar_accel.compare")
 
 PRECISIONS = ("no", "fp16", "bf16")
 # Fields that say where a run goes and how it starts, not what it computes.
-RUN_PLUMBING = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", "report_to", "project_name", "run_name")
+RUN_PLUMBING = (
+    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "report_to", "project_name", "run_name",
+    "push_to_hub", "hub_model_id", "hub_token", "hub_private_repo",
+)  # fmt: skip
 
 
 def build_parser() -> ArgumentParser:

@@ -223,11 +223,25 @@ class TrainConfig:
         pattern=(r"[\w-][\w.-]*", "letters, digits, '.', '-' and '_', not starting with '.'"),
     )  # fmt: skip
     run_name: str | None = _field(
-        None, "The run's name in the trackers; default: the output folder's name.", resume="may_change"
+        None, "The run's name in the trackers and its model card; default: the output folder's name.",
+        resume="may_change",
+    )  # fmt: skip
+    push_to_hub: bool = _field(
+        False, "Upload the output folder (weights, config, labels, model card, logs; not the checkpoints) to the "
+        "Hugging Face Hub once everything is saved locally.", resume="may_change",
+    )  # fmt: skip
+    hub_model_id: str | None = _field(
+        None, "The Hub repository, 'name' or 'user/name'; default: the output folder's name.", resume="may_change"
     )
+    hub_token: str | None = _field(
+        None, "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs or trackers.",
+        resume="may_change",
+    )  # fmt: skip
+    hub_private_repo: bool = _field(False, "Create the Hub repository as private.", resume="may_change")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The values, as config.yaml, the log and the trackers show them: without the Hub token."""
+        return {**dataclasses.asdict(self), "hub_token": None}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -38,6 +38,7 @@ from cifar_accel.config import TrainConfig, config_yaml, load_config
 from cifar_accel.data import LABELS_FILE, CifarData, Split, check_dataset_path, load_data, make_loader
 from cifar_accel.engine import LossFn, TrainTransform, Transform, evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
+from cifar_accel.hub import check_hub_token, push_to_hub
 from cifar_accel.metrics import load_metric
 from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
@@ -319,6 +320,7 @@ def run_training(
     """
     with StopRequest() as stop:
         trackers = requested_trackers(config.report_to)
+        check_hub_token(config)
         check_dataset_path(config.dataset_name)
         output_dir = make_output_dir(config)
         accelerator = build_accelerator(config, output_dir, trackers)
@@ -333,7 +335,9 @@ def run_training(
             train_epochs(run, monitor)
             results = finish_run(run)
             stopping = stop.requested(accelerator)
-            accelerator.end_training()  # also ends the process group of several processes
+            accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
+            if config.push_to_hub and accelerator.is_main_process and not stopping:
+                logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
             if stopping:
                 raise Stopped(
                     f"stopped by {stop.name} during the final test and export, which were completed first: "
