@@ -6,6 +6,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import evaluate
 import torch
@@ -113,17 +114,20 @@ def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> tor
 @torch.no_grad()
 def predict(
     accelerator: Accelerator, model: nn.Module, loader: DataLoader, transform: Transform, tta: str = "none"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Predicted classes, true labels and per-sample losses, gathered from all processes, each sample once."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Predicted classes, true labels, per-sample losses and the probability of each predicted class, gathered
+    from all processes in the loader's order, each sample once."""
     model.eval()
     gathered = []
     for images, labels in loader:
         with accelerator.autocast():
             logits = tta_logits(model, transform(images), tta)
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        gathered.append(accelerator.gather_for_metrics((logits.argmax(1), labels, losses)))
-    predictions, references, losses = (torch.cat(parts) for parts in zip(*gathered, strict=True))
-    return predictions, references, losses
+        predictions = logits.argmax(1)
+        confidences = logits.float().softmax(1).gather(1, predictions.unsqueeze(1)).squeeze(1)
+        gathered.append(accelerator.gather_for_metrics((predictions, labels, losses, confidences)))
+    predictions, references, losses, confidences = (torch.cat(parts) for parts in zip(*gathered, strict=True))
+    return predictions, references, losses, confidences
 
 
 def evaluate_model(
@@ -133,8 +137,12 @@ def evaluate_model(
     transform: Transform,
     metric: evaluate.EvaluationModule,
     tta: str = "none",
-) -> dict[str, float]:
-    """Loss and accuracy over ``loader``, each sample counted exactly once across processes."""
-    predictions, references, losses = predict(accelerator, model, loader, transform, tta)
+) -> dict[str, Any]:
+    """Loss and accuracy over ``loader``, each sample counted exactly once across processes, with the predictions,
+    labels and confidences they come from."""
+    predictions, references, losses, confidences = predict(accelerator, model, loader, transform, tta)
     accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
-    return {"loss": losses.mean().item(), "accuracy": accuracy, "samples": len(references)}
+    return {
+        "loss": losses.mean().item(), "accuracy": accuracy, "samples": len(references),
+        "predictions": predictions, "references": references, "confidences": confidences,
+    }  # fmt: skip

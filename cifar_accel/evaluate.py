@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 from accelerate import Accelerator
 
 from cifar_accel.config import TestTimeAugmentation
@@ -24,8 +23,9 @@ from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
 from cifar_accel.inference import load_model
-from cifar_accel.metrics import load_metric
+from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import save_atomic, write_atomic
+from cifar_accel.pictures import confusion_figure
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision
 
@@ -46,29 +46,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--output_dir", help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
-
-
-def classification_report(
-    predictions: torch.Tensor, references: torch.Tensor, class_names: list[str]
-) -> dict[str, Any]:
-    """Accuracy and macro F1 (through the shipped `evaluate` modules), per-class accuracy and the confusion matrix."""
-    num_classes = len(class_names)
-    confusion = torch.bincount(references * num_classes + predictions, minlength=num_classes**2)
-    confusion = confusion.view(num_classes, num_classes)  # rows: true class, columns: predicted class
-    totals, correct = confusion.sum(1), confusion.diag()
-    return {
-        "accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
-        # Over all classes of the model, so a class missing from the split still counts (with F1 0).
-        "macro_f1": load_metric("f1").compute(
-            predictions=predictions, references=references, labels=list(range(num_classes)), average="macro"
-        )["f1"],
-        "samples": len(references),
-        "per_class": [
-            {"class": name, "correct": int(c), "total": int(t), "accuracy": (int(c) / int(t)) if t else None}
-            for name, c, t in zip(class_names, correct, totals, strict=True)
-        ],
-        "confusion_matrix": confusion.tolist(),
-    }
 
 
 def format_report(report: dict[str, Any], class_names: list[str]) -> str:
@@ -93,21 +70,7 @@ def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], ti
     plt = pyplot()
     if plt is None:
         return False
-    matrix = torch.tensor(confusion, dtype=torch.float64)
-    fractions = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
-    fig, ax = plt.subplots(figsize=(8, 7), dpi=100)
-    image = ax.imshow(fractions.numpy(), cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(len(class_names)), class_names, rotation=45, ha="right")
-    ax.set_yticks(range(len(class_names)), class_names)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    ax.set_title(title)
-    for i in range(len(class_names)):
-        for j in range(len(class_names)):
-            ax.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if fractions[i, j] > 0.5 else "black")  # fmt: skip
-    fig.colorbar(image, ax=ax, label="fraction of the true class")
-    fig.tight_layout()
+    fig = confusion_figure(confusion, class_names, title)
     save_atomic(path, lambda temporary: fig.savefig(temporary, format="png"))
     plt.close(fig)
     return True
@@ -141,7 +104,7 @@ def main(argv: Sequence[str]) -> None:
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
-    predictions, references, _ = predict(accelerator, model, loader, trained.preprocess, args.tta)
+    predictions, references, _, _ = predict(accelerator, model, loader, trained.preprocess, args.tta)
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,

@@ -39,7 +39,7 @@ from cifar_accel.data import LABELS_FILE, CifarData, Split, check_dataset_path, 
 from cifar_accel.engine import LossFn, TrainTransform, Transform, evaluate_model, train_one_epoch
 from cifar_accel.errors import InputError, Stopped, run_cli
 from cifar_accel.hub import check_hub_token, push_to_hub
-from cifar_accel.metrics import load_metric
+from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
@@ -51,6 +51,13 @@ from cifar_accel.outputs import (
     make_output_dir,
     set_aside_earlier_run,
     write_atomic,
+)
+from cifar_accel.pictures import (
+    AUGMENTED_IMAGES,
+    log_augmentation,
+    log_hparams,
+    log_test_pictures,
+    tensorboard_writer,
 )
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
 from cifar_accel.stopping import StopRequest
@@ -274,6 +281,7 @@ def finish_run(run: Run) -> dict[str, Any]:
     if accelerator.is_main_process:
         write_atomic(output_dir / "results.json", json.dumps(results, indent=2))
         write_model_card(run.config, results, output_dir)
+    log_final_pictures(run, test_stats, results)
     tested = (
         f"best validation {results['best_val_accuracy']:.4f} at epoch {results['best_epoch']}"
         if state.best_checkpoint is not None
@@ -284,6 +292,33 @@ def finish_run(run: Run) -> dict[str, Any]:
         f"(README.md), config.yaml, checkpoints/ and logs/ are in {output_dir.resolve()}"
     )
     return results
+
+
+def log_final_pictures(run: Run, test: dict[str, Any], results: dict[str, Any]) -> None:
+    """TensorBoard: the confusion matrix, per-class accuracy and confident mistakes of the final test, and the
+    config with the test accuracy in the HParams panel."""
+    writer = tensorboard_writer(run.accelerator)
+    if writer is None:
+        return
+    class_names = run.data.class_names
+    report = classification_report(test["predictions"].cpu(), test["references"].cpu(), class_names)
+    log_test_pictures(writer, report, test, run.data.test.images, class_names, step=run.state.epoch)
+    metrics = {k: results[k] for k in ("test_accuracy", "test_accuracy_no_tta", "test_loss")}
+    log_hparams(writer, tracker_config(run.config), metrics)
+
+
+def log_augmented_batch(run: Run) -> None:
+    """TensorBoard, at the start of a new run: a batch of training images as stored and as the training step gets
+    them (augmented by the training transform; drawn from a forked RNG, so training's random numbers are
+    untouched)."""
+    writer = tensorboard_writer(run.accelerator)
+    if writer is None or run.state.global_step:
+        return
+    device = run.accelerator.device
+    images, labels = (t[:AUGMENTED_IMAGES] for t in (run.data.train.images, run.data.train.labels))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        augmented, _ = run.train_transform(images.to(device), labels.to(device))
+    log_augmentation(writer, images, augmented)
 
 
 def open_run_outputs(run: Run) -> Path | None:
@@ -304,6 +339,7 @@ def open_run_outputs(run: Run) -> Path | None:
     accelerator.init_trackers(
         config.project_name, config=tracker_config(config), init_kwargs=tracker_init_kwargs(config, output_dir)
     )
+    log_augmented_batch(run)
     return replaced
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cifar_accel.evaluate import classification_report
-from cifar_accel.metrics import load_metric
+from cifar_accel.metrics import classification_report, load_metric
 
 # Per class: 0 has 1 true positive of 1 predicted and 2 actual (F1 2/3), 1 has 1 of 2 and 1 (2/3), 2 is exact (1),
 # and class 3 appears in neither list.

@@ -84,6 +84,18 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
         "test/accuracy",
     ):
         assert tag in scalars
+    # The pictures: an augmented batch at step 0; the test's confusion matrix, per-class accuracy and confident
+    # mistakes at the last epoch; the HParams panel with the test accuracy.
+    images = {tag: events.Images(tag) for tag in events.Tags()["images"]}
+    assert images.keys() == {"train/augmentation", "test/confusion_matrix", "test/per_class_accuracy",
+                             "test/confident_mistakes"}  # fmt: skip
+    assert [e.step for e in images["train/augmentation"]] == [0] and images["test/confusion_matrix"][0].step == 1
+    for (event,) in images.values():
+        assert event.encoded_image_string.startswith(b"\x89PNG") and event.width >= 200
+    assert images["train/augmentation"][0].width == 8 * (3 * 32 + 4) + 4  # 8 images of 32 pixels, drawn 3x
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= events.PluginTagToContent("hparams").keys()
+    (tested,) = events.Scalars("hparam/test_accuracy")
+    assert tested.value == pytest.approx(results["test_accuracy"])
     (val_accuracy,) = events.Scalars("val/accuracy")
     assert val_accuracy.step == 1
     assert val_accuracy.value == pytest.approx(results["history"][0]["val_accuracy"])

@@ -1,0 +1,151 @@
+"""Pictures where they say more than numbers, in TensorBoard and in evaluate's output folder.
+
+- ``train/augmentation``: at the start of a run, a batch of training images as stored (top half) and as the
+  training step receives them, augmented (bottom half);
+- ``test/confusion_matrix`` and ``test/per_class_accuracy`` at the end, as figures;
+- ``test/confident_mistakes``: the test images misclassified with the highest confidence, with their true and
+  predicted classes;
+- the HParams panel: the config with the final test accuracy.
+
+Figures need matplotlib (the ``plots`` extra); without it they are left out, and said so once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from torch.utils.tensorboard import SummaryWriter
+from torchvision.utils import make_grid
+
+from cifar_accel.plots import MISSING, pyplot
+from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD
+
+logger = get_logger(__name__)
+
+AUGMENTED_IMAGES = 32  # the batch shown at the start
+MISTAKES = 24  # the confident mistakes shown at the end
+
+
+def tensorboard_writer(accelerator: Accelerator) -> SummaryWriter | None:
+    """The run's TensorBoard writer on the main process, or None (other processes, or TensorBoard not asked for)."""
+    if not accelerator.is_main_process:
+        return None
+    return next((t.tracker for t in accelerator.trackers if t.name == "tensorboard"), None)
+
+
+def to_unit_range(inputs: torch.Tensor) -> torch.Tensor:
+    """Normalised model inputs back to images in [0, 1], for display."""
+    mean = inputs.new_tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = inputs.new_tensor(CIFAR10_STD).view(1, 3, 1, 1)
+    return (inputs.float() * std + mean).clamp(0, 1)
+
+
+def augmentation_grid(originals: torch.Tensor, augmented: torch.Tensor, zoom: int = 3) -> torch.Tensor:
+    """One (3, H, W) image: the originals (uint8) in the top rows, the augmented inputs (normalised) below, each
+    pixel drawn ``zoom`` x ``zoom`` so that 32x32 images can be seen."""
+    both = torch.cat((originals.float().cpu() / 255, to_unit_range(augmented).cpu()))
+    return make_grid(F.interpolate(both, scale_factor=zoom, mode="nearest"), nrow=8, padding=4, pad_value=1.0)
+
+
+def confusion_figure(confusion: list[list[int]], class_names: list[str], title: str) -> Any:
+    """The confusion matrix, coloured by the fraction of each true class, with the counts written in."""
+    plt = pyplot()
+    matrix = torch.tensor(confusion, dtype=torch.float64)
+    fractions = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
+    fig, ax = plt.subplots(figsize=(8, 7), dpi=100)
+    image = ax.imshow(fractions.numpy(), cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(len(class_names)), class_names, rotation=45, ha="right")
+    ax.set_yticks(range(len(class_names)), class_names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    for i in range(len(class_names)):
+        for j in range(len(class_names)):
+            ax.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if fractions[i, j] > 0.5 else "black")  # fmt: skip
+    fig.colorbar(image, ax=ax, label="fraction of the true class")
+    fig.tight_layout()
+    return fig
+
+
+def per_class_figure(per_class: list[dict[str, Any]], title: str) -> Any:
+    """Each class's accuracy as a bar, with the overall accuracy as a line."""
+    plt = pyplot()
+    names = [row["class"] for row in per_class]
+    accuracies = [row["accuracy"] or 0.0 for row in per_class]
+    overall = sum(row["correct"] for row in per_class) / max(1, sum(row["total"] for row in per_class))
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    ax.bar(names, accuracies, color="tab:blue")
+    ax.axhline(overall, color="tab:red", linestyle="--", label=f"overall {overall:.4f}")
+    for x, accuracy in enumerate(accuracies):
+        ax.text(x, accuracy + 0.01, f"{accuracy:.2f}", ha="center", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def mistakes_figure(
+    images: torch.Tensor, true: list[str], predicted: list[str], confidences: list[float], title: str
+) -> Any:
+    """A grid of misclassified images (uint8), each captioned with its true class and the predicted one."""
+    plt = pyplot()
+    columns = 8
+    rows = max(1, -(-len(images) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(columns * 1.6, rows * 1.9), dpi=100, squeeze=False)
+    for index, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if index < len(images):
+            ax.imshow(images[index].permute(1, 2, 0).numpy())
+            ax.set_title(f"{true[index]}\n-> {predicted[index]} {confidences[index]:.2f}", fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def log_augmentation(writer: SummaryWriter, originals: torch.Tensor, augmented: torch.Tensor) -> None:
+    writer.add_image("train/augmentation", augmentation_grid(originals, augmented), global_step=0)
+
+
+def log_test_pictures(
+    writer: SummaryWriter,
+    report: dict[str, Any],
+    test: dict[str, Any],
+    images: torch.Tensor,
+    class_names: list[str],
+    step: int,
+) -> bool:
+    """The confusion matrix, per-class accuracy and confident mistakes of the final test; False without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        logger.info(f"TensorBoard gets no test figures: {MISSING}")
+        return False
+    accuracy = report["accuracy"]
+    figures = {
+        "test/confusion_matrix": confusion_figure(report["confusion_matrix"], class_names, f"test: {accuracy:.4f}"),
+        "test/per_class_accuracy": per_class_figure(report["per_class"], "test accuracy per class"),
+    }
+    predictions, references, confidences = (test[k].cpu() for k in ("predictions", "references", "confidences"))
+    wrong = (predictions != references).nonzero().squeeze(1)
+    worst = wrong[confidences[wrong].argsort(descending=True)[:MISTAKES]]
+    figures["test/confident_mistakes"] = mistakes_figure(
+        images[worst], [class_names[i] for i in references[worst]], [class_names[i] for i in predictions[worst]],
+        confidences[worst].tolist(), f"the {len(worst)} most confident of {len(wrong)} mistakes: true -> predicted",
+    )  # fmt: skip
+    for tag, figure in figures.items():
+        writer.add_figure(tag, figure, global_step=step)  # closes the figure
+    return True
+
+
+def log_hparams(writer: SummaryWriter, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+    """The config and the final metrics in TensorBoard's HParams panel, in the run's own folder."""
+    values = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in hparams.items()}
+    writer.add_hparams(values, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
