@@ -205,7 +205,7 @@ class TrainingMonitor:
             loss_scale=loss_scale(self.accelerator),
         )
         self.state.record_epoch(record.to_dict())
-        log_epoch(self.accelerator, record)
+        log_epoch(self.accelerator, record, self.state.global_step)
         self.save()
         if self.stop.requested(self.accelerator):
             raise self.stopped()

@@ -109,8 +109,10 @@ def log_step(
     )
 
 
-def log_epoch(accelerator: Accelerator, record: EpochRecord) -> None:
-    accelerator.log(record.tracker_values(), step=record.epoch)
+def log_epoch(accelerator: Accelerator, record: EpochRecord, global_step: int) -> None:
+    """The epoch's scalars and its number (``epoch``), at the optimizer step it ended on: one x axis for every
+    tracker scalar, as in the Hugging Face Trainer, so that a resume can purge what came after its checkpoint."""
+    accelerator.log({**record.tracker_values(), "epoch": record.epoch}, step=global_step)
     logger.info(record.log_line())
 
 

@@ -48,9 +48,14 @@ def run_name(config: TrainConfig, output_dir: Path) -> str:
     return config.run_name or output_dir.resolve().name
 
 
-def tracker_init_kwargs(config: TrainConfig, output_dir: Path) -> dict[str, dict[str, Any]]:
-    """Each tracker's keyword arguments: the run's name."""
-    return {tracker: {keyword: run_name(config, output_dir)} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
+def tracker_init_kwargs(config: TrainConfig, output_dir: Path, resumed_step: int) -> dict[str, dict[str, Any]]:
+    """Each tracker's keyword arguments: the run's name; for TensorBoard, in a run resumed from the checkpoint of
+    optimizer step ``resumed_step``, a purge of every point logged after it (by the interrupted run, and logged
+    again now), so each step is drawn once."""
+    kwargs = {tracker: {keyword: run_name(config, output_dir)} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
+    if resumed_step:
+        kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
+    return kwargs
 
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:

@@ -269,7 +269,8 @@ def finish_run(run: Run) -> dict[str, Any]:
             accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric, run.config.tta
         )
         test_stats["accuracy_no_tta"] = plain["accuracy"]
-    accelerator.log({"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}, step=state.epoch)
+    test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}
+    accelerator.log(test_scalars, step=state.global_step)
     export_weights(accelerator, run.eval_model, output_dir)
 
     results = run_results(
@@ -302,7 +303,7 @@ def log_final_pictures(run: Run, test: dict[str, Any], results: dict[str, Any]) 
         return
     class_names = run.data.class_names
     report = classification_report(test["predictions"].cpu(), test["references"].cpu(), class_names)
-    log_test_pictures(writer, report, test, run.data.test.images, class_names, step=run.state.epoch)
+    log_test_pictures(writer, report, test, run.data.test.images, class_names, step=run.state.global_step)
     metrics = {k: results[k] for k in ("test_accuracy", "test_accuracy_no_tta", "test_loss")}
     log_hparams(writer, tracker_config(run.config), metrics)
 
@@ -337,8 +338,9 @@ def open_run_outputs(run: Run) -> Path | None:
         write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
     accelerator.wait_for_everyone()
     accelerator.init_trackers(
-        config.project_name, config=tracker_config(config), init_kwargs=tracker_init_kwargs(config, output_dir)
-    )
+        config.project_name, config=tracker_config(config),
+        init_kwargs=tracker_init_kwargs(config, output_dir, run.state.global_step),
+    )  # fmt: skip
     log_augmented_batch(run)
     return replaced
 

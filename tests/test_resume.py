@@ -14,6 +14,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import (
     STATE_FILE,
@@ -89,7 +90,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
 def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_latest(tiny_dataset, cli_env, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "20", "--checkpointing_steps", "2",
-                     "--early_stopping_patience", "0", "--max_eval_samples", "40")  # fmt: skip
+                     "--early_stopping_patience", "0", "--max_eval_samples", "40", "--logging_steps", "1")  # fmt: skip
     resume = ["--resume_from_checkpoint", "latest"]
     rng = random.Random(0)
     kills = 0
@@ -121,6 +122,15 @@ def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_l
     results = read_results(out)
     assert results["epochs_completed"] == 20 and [r["epoch"] for r in results["history"]] == list(range(1, 21))
     assert not list((out / "checkpoints").glob(".partial-*"))
+    # The curves survive: each resume purged what the killed run had logged after its checkpoint, so TensorBoard
+    # holds every optimizer step and every epoch once, with the values of the history.
+    events = EventAccumulator(str(out / "logs" / "cifar_accel"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 181))  # 9 optimizer steps an epoch
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9 * epoch, epoch) for epoch in range(1, 21)]
+    assert [e.value for e in events.Scalars("val/accuracy")] == pytest.approx(
+        [r["val_accuracy"] for r in results["history"]]
+    )
     print(f"{kills} SIGKILLs (one during a save), {kills} resumes from 'latest', run finished")
 
 

@@ -89,7 +89,7 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     images = {tag: events.Images(tag) for tag in events.Tags()["images"]}
     assert images.keys() == {"train/augmentation", "test/confusion_matrix", "test/per_class_accuracy",
                              "test/confident_mistakes"}  # fmt: skip
-    assert [e.step for e in images["train/augmentation"]] == [0] and images["test/confusion_matrix"][0].step == 1
+    assert [e.step for e in images["train/augmentation"]] == [0] and images["test/confusion_matrix"][0].step == 9
     for (event,) in images.values():
         assert event.encoded_image_string.startswith(b"\x89PNG") and event.width >= 200
     assert images["train/augmentation"][0].width == 8 * (3 * 32 + 4) + 4  # 8 images of 32 pixels, drawn 3x
@@ -97,7 +97,8 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     (tested,) = events.Scalars("hparam/test_accuracy")
     assert tested.value == pytest.approx(results["test_accuracy"])
     (val_accuracy,) = events.Scalars("val/accuracy")
-    assert val_accuracy.step == 1
+    assert val_accuracy.step == 9  # x axis: the optimizer step the epoch ended on (294 // 32 steps)
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9, 1.0)]
     assert val_accuracy.value == pytest.approx(results["history"][0]["val_accuracy"])
     (test_accuracy,) = events.Scalars("test/accuracy")
     assert test_accuracy.value == pytest.approx(results["test_accuracy"])
