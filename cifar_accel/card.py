@@ -6,16 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from accelerate.logging import get_logger
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from cifar_accel.config import TrainConfig, config_yaml
 from cifar_accel.data import looks_like_path
-from cifar_accel.outputs import WEIGHTS_FILE, save_atomic, write_atomic
+from cifar_accel.outputs import (
+    CARD_FILE,
+    CURVES_FILE,
+    LIBRARY_NAME,
+    WEIGHTS_FILE,
+    is_model_card,
+    save_atomic,
+    write_atomic,
+)
 from cifar_accel.plots import pyplot
 from cifar_accel.trackers import run_name
 
-CARD_FILE = "README.md"
-CURVES_FILE = "curves.png"
+logger = get_logger(__name__)
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> bool:
@@ -45,7 +53,7 @@ def card_metadata(config: TrainConfig, results: dict[str, Any], run_name: str) -
     dataset_id = "cifar10" if local else config.dataset_name
     dataset_label = f"CIFAR-10 ({Path(config.dataset_name).name})" if local else "CIFAR-10"
     return ModelCardData(
-        library_name="cifar-accel",
+        library_name=LIBRARY_NAME,  # also how a later run tells the card for its own (outputs.is_model_card)
         pipeline_tag="image-classification",
         tags=[
             "image-classification",
@@ -134,6 +142,10 @@ or from the command line: `python -m cifar_accel.predict --model path/to/this/fo
 
 
 def write_model_card(config: TrainConfig, results: dict[str, Any], output_dir: Path) -> None:
-    """curves.png and README.md in the output folder."""
+    """curves.png and README.md in the output folder; a README.md of the user's there is left as it is."""
     curves = plot_curves(results["history"], output_dir / CURVES_FILE)
-    write_atomic(output_dir / CARD_FILE, str(model_card(config, results, run_name(config, output_dir), curves)))
+    card = output_dir / CARD_FILE
+    if card.exists() and not is_model_card(card):
+        logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
+        return
+    write_atomic(card, str(model_card(config, results, run_name(config, output_dir), curves)))

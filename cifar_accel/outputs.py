@@ -24,7 +24,26 @@ WEIGHTS_FILE = "model.safetensors"  # a run's final weights
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
 # What a training run writes into its folder, and --overwrite_output_dir sets aside.
-RUN_FILES = ("checkpoints", "logs", "results.json", "model.safetensors", "config.yaml", "labels.json")
+CARD_FILE = "README.md"  # the model card (card.py); a README.md without CARD_MARK is the user's and left alone
+LIBRARY_NAME = "cifar-accel"
+CARD_MARK = f"library_name: {LIBRARY_NAME}"
+CURVES_FILE = "curves.png"
+RUN_FILES = ("checkpoints", "logs", "results.json", "model.safetensors", "config.yaml", "labels.json", CURVES_FILE)
+
+
+def is_model_card(path: Path) -> bool:
+    """Whether ``path`` is a model card this package wrote (its metadata names the library)."""
+    try:
+        with open(path, errors="replace") as file:
+            return CARD_MARK in file.read(4096)
+    except OSError:
+        return False
+
+
+def earlier_run_files(folder: Path) -> list[Path]:
+    """The files of a run in ``folder``: ``RUN_FILES`` and its model card."""
+    files = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    return files + [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else files
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -99,10 +118,10 @@ class OutputDirLock:
 
 
 def set_aside_earlier_run(folder: Path) -> Path | None:
-    """Move an earlier run's files (``RUN_FILES``) into ``.replaced-run/``, where they stay until the new run
-    has written its first checkpoint (``discard_replaced_run``); returns that folder, or None if there was no
+    """Move an earlier run's files (``earlier_run_files``) into ``.replaced-run/``, where they stay until the new
+    run has written its first checkpoint (``discard_replaced_run``); returns that folder, or None if there was no
     earlier run. Other files in the folder are left alone."""
-    earlier = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    earlier = earlier_run_files(folder)
     aside = folder / REPLACED_RUN
     if not earlier:
         return aside if aside.exists() else None

@@ -72,7 +72,7 @@ CASES = [
     ("lr-zero", ["--learning_rate", "0"], 2, ["learning_rate", "> 0"]),
     ("batch-zero", ["--per_device_train_batch_size", "0"], 2, ["per_device_train_batch_size", ">= 1"]),
     ("val-ratio-one", ["--val_ratio", "1"], 2, ["val_ratio", "< 1"]),
-    ("val-ratio-negative", ["--val_ratio", "-0.1"], 2, ["val_ratio", "> 0"]),
+    ("val-ratio-negative", ["--val_ratio", "-0.1"], 2, ["val_ratio", ">= 0"]),
     ("epochs-zero", ["--num_train_epochs", "0"], 2, ["num_train_epochs", ">= 1"]),
     ("patience-negative", ["--early_stopping_patience", "-1"], 2, ["early_stopping_patience", ">= 0"]),
     ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),

@@ -122,7 +122,7 @@ def test_bad_config_files_are_refused(tmp_path, yaml_text, message):
         (["--learning_rat", "0.1"], "unknown argument '--learning_rat'; did you mean '--learning_rate'?"),
         (["--lr", "abc"], "invalid float value: 'abc'"),
         (["--lr", "-1"], "'learning_rate' must be > 0"),
-        (["--val_ratio", "0"], "'val_ratio' must be > 0"),
+        (["--val_ratio", "-0.1"], "'val_ratio' must be >= 0"),
         (["--mixed_precision", "fp32"], "invalid choice: 'fp32'"),
         (["--lr_scheduler_type", "exponential"], "invalid choice: 'exponential'"),
     ],

@@ -439,7 +439,7 @@ def test_a_signal_while_loading_data_stops_at_once_and_writes_nothing(tiny_datas
     proc = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *tiny_args(tiny_dataset, out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     for line in proc.stdout:
-        if "decoded once" in line:  # logged as the first split's decoding starts
+        if "cifar_accel.data: train: decoded" in line:  # the train split is decoded, the test split not yet
             proc.send_signal(signal.SIGTERM)
             break
     _, stderr = proc.communicate(timeout=120)
@@ -474,3 +474,16 @@ def test_more_accumulation_steps_than_batches_in_an_epoch_is_refused(tiny_datase
     line = one_error_line(proc)
     assert "--gradient_accumulation_steps 10 is more than the 9 batches an epoch has" in line
     assert "global batch of 320" in line
+
+
+def test_a_readme_of_the_users_in_the_output_folder_is_left_as_it_is(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("# my notes\n")
+    proc = train_here(tiny_args(tiny_dataset, out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "README.md").read_text() == "# my notes\n"
+    assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
+    proc = train_here([*tiny_args(tiny_dataset, out), "--overwrite_output_dir"])
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "README.md").read_text() == "# my notes\n"  # not set aside with the earlier run's files
