@@ -90,7 +90,7 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-        step_scheduler_with_optimizer=False,  # the schedule steps once per epoch
+        step_scheduler_with_optimizer=False,  # the monitor steps the schedule: per epoch, or once per optimizer step
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
         raise InputError(
