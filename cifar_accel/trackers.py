@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from accelerate.tracking import get_available_trackers
+from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError
+from cifar_accel.outputs import write_atomic
 
 TRACKERS = [tracker.value for tracker in LoggerType if tracker is not LoggerType.ALL]
 # The keyword each tracker takes for the run's name (Accelerate gives them the project name as its own argument).
@@ -48,14 +51,71 @@ def run_name(config: TrainConfig, output_dir: Path) -> str:
     return config.run_name or output_dir.resolve().name
 
 
-def tracker_init_kwargs(config: TrainConfig, output_dir: Path, resumed_step: int) -> dict[str, dict[str, Any]]:
-    """Each tracker's keyword arguments: the run's name; for TensorBoard, in a run resumed from the checkpoint of
-    optimizer step ``resumed_step``, a purge of every point logged after it (by the interrupted run, and logged
-    again now), so each step is drawn once."""
+def tracker_init_kwargs(
+    config: TrainConfig, output_dir: Path, resumed_step: int, continued: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Each tracker's keyword arguments: the run's name. In a run resumed from the checkpoint of optimizer step
+    ``resumed_step``: for TensorBoard, a purge of every point logged after it (by the interrupted run, and logged
+    again now), so each step is drawn once; for MLflow, the run to continue (``continued``: tracker -> run id)."""
     kwargs = {tracker: {keyword: run_name(config, output_dir)} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
     if resumed_step:
         kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
+    if "mlflow" in continued:
+        kwargs["mlflow"]["run_id"] = continued["mlflow"]
     return kwargs
+
+
+TRACKER_RUNS_FILE = "tracker_runs.json"  # in logs/: the MLflow run a resumed run continues
+
+
+class ContinuedRun(GeneralTracker):
+    """A tracker run that a resumed training run continues. It holds the points the interrupted run logged, up to
+    ``logged_through``, some of them after the checkpoint: those are not logged again (the resume is exact, so
+    they hold the values computed again now). The config was stored when the run began (MLflow cannot change a
+    parameter)."""
+
+    def __init__(self, tracker: GeneralTracker, logged_through: int) -> None:
+        super().__init__(_blank=True)
+        self.wrapped, self.logged_through = tracker, logged_through
+        self.name, self.requires_logging_directory = tracker.name, tracker.requires_logging_directory
+
+    @property
+    def tracker(self) -> Any:
+        return self.wrapped.tracker
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if step is None or step > self.logged_through:
+            self.wrapped.log(values, step=step, **kwargs)
+
+    def finish(self) -> None:
+        self.wrapped.finish()
+
+
+def mlflow_logged_through(run_id: str) -> int:
+    """The last step of any metric the MLflow run holds (0 for none)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    keys = client.get_run(run_id).data.metrics
+    return max((m.step for key in keys for m in client.get_metric_history(run_id, key)), default=0)
+
+
+def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Path, resumed_step: int) -> None:
+    """Start the trackers with the config. A new run records its MLflow run id; a resumed one continues that run
+    (``ContinuedRun``) and TensorBoard purges what came after the checkpoint, so every tracker holds each step
+    once. Only the main process has trackers."""
+    runs_file = output_dir / "logs" / TRACKER_RUNS_FILE
+    continued = json.loads(runs_file.read_text()) if resumed_step and runs_file.is_file() else {}
+    accelerator.init_trackers(
+        config.project_name, init_kwargs=tracker_init_kwargs(config, output_dir, resumed_step, continued)
+    )
+    for index, tracker in enumerate(accelerator.trackers):
+        if tracker.name == "mlflow" and "mlflow" in continued:
+            accelerator.trackers[index] = ContinuedRun(tracker, mlflow_logged_through(continued["mlflow"]))
+        else:
+            tracker.store_init_configuration(tracker_config(config))
+        if tracker.name == "mlflow" and accelerator.is_main_process:
+            write_atomic(runs_file, json.dumps({"mlflow": tracker.tracker.info.run_id}))
 
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:

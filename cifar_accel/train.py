@@ -62,7 +62,7 @@ from cifar_accel.pictures import (
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
-from cifar_accel.trackers import requested_trackers, tracker_config, tracker_init_kwargs
+from cifar_accel.trackers import requested_trackers, start_trackers, tracker_config
 from cifar_accel.transforms import BatchTransform, TrainingTransform
 
 logger = get_logger(__name__)
@@ -337,10 +337,7 @@ def open_run_outputs(run: Run) -> Path | None:
         write_atomic(output_dir / "config.yaml", config_yaml(config))
         write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
     accelerator.wait_for_everyone()
-    accelerator.init_trackers(
-        config.project_name, config=tracker_config(config),
-        init_kwargs=tracker_init_kwargs(config, output_dir, run.state.global_step),
-    )  # fmt: skip
+    start_trackers(accelerator, config, output_dir, run.state.global_step)
     log_augmented_batch(run)
     return replaced
 

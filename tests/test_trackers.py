@@ -3,13 +3,18 @@ config as TensorBoard."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.trackers import tensorboard_dir
 
-from conftest import read_results, tiny_args
+from conftest import read_results, run_cli, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -73,3 +78,44 @@ def test_report_to_none_writes_no_event_files(tiny_dataset, train_here, tmp_path
     assert proc.returncode == 0, proc.stderr
     assert read_results(out)["epochs_completed"] == 1
     assert not list((out / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_a_run_killed_and_resumed_continues_its_mlflow_run_holding_each_step_once(
+    tiny_dataset, cli_env, tmp_path, monkeypatch
+):
+    """SIGKILL two optimizer steps after a checkpoint: MLflow and TensorBoard already hold those steps. The resumed
+    run continues the same MLflow run without logging them again, and TensorBoard purges them."""
+    env = {**cli_env, "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3", "--report_to", "tensorboard,mlflow",
+                     "--logging_steps", "1", "--checkpointing_steps", "6", "--max_eval_samples", "40")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])  # this process reads the same store
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient()
+    deadline = time.monotonic() + 120
+    while True:  # until the step after checkpoint step_00000006 and the one after it are logged
+        assert proc.poll() is None and time.monotonic() < deadline
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        if runs and len(client.get_metric_history(runs[0].info.run_id, "step/loss")) >= 8:
+            break
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000006"]
+
+    resumed = run_cli([*args, "--resume_from_checkpoint", "latest"], env)
+    assert resumed.returncode == 0, resumed.stderr
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "step/loss")] == list(range(1, 28))
+    epochs = client.get_metric_history(run.info.run_id, "epoch")
+    assert [(m.step, m.value) for m in epochs] == [(9, 1.0), (18, 2.0), (27, 3.0)]
+    events = EventAccumulator(str(tensorboard_dir(out, "cifar_accel")))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 28))
+    tensorboard = {e.step: e.value for e in events.Scalars("step/loss")}
+    assert {m.step: pytest.approx(m.value) for m in client.get_metric_history(run.info.run_id, "step/loss")} == (
+        tensorboard
+    )
