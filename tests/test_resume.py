@@ -65,7 +65,8 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
     if precision != "no":
         pytest.skip("the signal path is the same for every precision")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "cifar_accel.train", *run_args(tiny_dataset, out, precision)]
+    args = run_args(tiny_dataset, out, precision, "--logging_steps", "1")  # telemetry at every step
+    command = [sys.executable, "-m", "cifar_accel.train", *args]
     proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out / "checkpoints" / "step_00000012").exists():  # well into epoch 2
@@ -82,9 +83,14 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
     latest = complete_checkpoints(out)[-1]
     assert latest.name in line and int(latest.name.split("_")[1]) > 12
 
-    proc = run_cli([*run_args(tiny_dataset, out, precision), "--resume_from_checkpoint", "latest"], cli_env)
+    proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
     assert proc.returncode == 0, proc.stderr
     assert_same_run(straight, out)
+    # The curves read back from the event files: every optimizer step once, the epochs continuing after the stop.
+    events = EventAccumulator(str(out / "logs" / "cifar_accel"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 28))
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9, 1.0), (18, 2.0), (27, 3.0)]
 
 
 def test_sigkill_at_random_moments_and_during_a_save_always_leaves_a_resumable_latest(tiny_dataset, cli_env, tmp_path):
