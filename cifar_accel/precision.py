@@ -8,6 +8,7 @@ loss scale, skipped steps and gradient norm as the run goes.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from typing import Any
 
@@ -32,6 +33,7 @@ def unsupported(precision: str) -> str | None:
     return None
 
 
+@functools.cache  # the CPU does not change during a run: /proc/cpuinfo is read once
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), as /proc/cpuinfo says; elsewhere torch emulates
     bf16 on a CPU, several times slower than fp32."""
