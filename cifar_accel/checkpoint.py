@@ -134,7 +134,7 @@ def save_checkpoint(
             "--resume_from_checkpoint latest"
         ) from err
     if accelerator.is_main_process:
-        if final.exists():  # an epoch's end can fall on a step that was just saved mid-epoch
+        if final.exists():  # a run stopped on an epoch's last batch, resumed: that step is saved again at its end
             shutil.rmtree(final)
         partial.rename(final)
         for old in complete_checkpoints(output_dir)[:-keep]:

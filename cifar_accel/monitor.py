@@ -175,7 +175,10 @@ class TrainingMonitor:
         if self.ema is not None:
             self.ema.update(self.model)
         stopping = self.stop.requested(self.accelerator)
-        if stopping or (self.steps_between_saves and state.global_step % self.steps_between_saves == 0):
+        due = self.steps_between_saves and state.global_step % self.steps_between_saves == 0
+        # An epoch's last step is saved at the epoch's end, after the epoch is logged: a checkpoint taken before
+        # would make its resume log the epoch a second time.
+        if stopping or (due and not self.accelerator.gradient_state.end_of_dataloader):
             state.epoch_totals = self.accelerator.gather(self.totals.unsqueeze(0)).tolist()
             state.epoch_train_seconds = self.seconds_before + time.perf_counter() - self.epoch_start
             self.save()

@@ -58,12 +58,17 @@ def test_after_step_counts_batches_and_optimizer_steps_and_saves_every_n_steps(t
     stats = train_epoch(monitor, model, loader)
     state = monitor.state
     assert (state.step_in_epoch, state.global_step) == (12, 6)  # 12 batches, 2 per optimizer step
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004", "step_00000006"]
+    # Step 6 ends the epoch: it is saved by the epoch's end, once the epoch is recorded, not before.
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
     saved = json.loads((tmp_path / "checkpoints" / "step_00000004" / STATE_FILE).read_text())
     assert (saved["step_in_epoch"], saved["global_step"]) == (8, 4)
     assert saved["epoch_totals"][0][2] == 32  # the images of the epoch so far, kept for a mid-epoch resume
     assert saved["epoch_train_seconds"] > 0
-    assert stats["images"] == 48 and monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
+    assert stats["images"] == 48 and monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000004"
+    monitor.end_epoch(stats, None)
+    assert monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
+    saved = json.loads((monitor.last_checkpoint / STATE_FILE).read_text())
+    assert (saved["epoch"], saved["step_in_epoch"], len(saved["history"])) == (1, 0, 1)
 
 
 def test_end_epoch_steps_the_schedule_records_and_saves(tmp_path):
