@@ -117,7 +117,10 @@ class TrainConfig:
         64, "Training batch size per process.", resume="match", aliases=("--batch_size", "--batch-size"), ge=1
     )
     per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", resume="may_change", ge=1)
-    optimizer: Literal["adam", "adamw", "sgd"] = _field("adam", "Optimizer.", resume="match")
+    optimizer: Literal["adam", "adamw", "sgd", "muon"] = _field(
+        "adam", "Optimizer. muon: Muon (momentum, then a Newton-Schulz orthogonalisation of the step) on the "
+        "conv filter banks, SGD (--momentum, --nesterov, --weight_decay) on every other parameter.", resume="match"
+    )  # fmt: skip
     learning_rate: float = _field(
         1e-3, "Learning rate (the peak of a per-step schedule).", resume="match", aliases=("--lr",), gt=0
     )
@@ -126,7 +129,12 @@ class TrainConfig:
         resume="match",
     )  # fmt: skip
     momentum: float = _field(0.9, "SGD momentum.", resume="match", ge=0, lt=1)
-    nesterov: bool = _field(False, "SGD with Nesterov momentum.", resume="match")
+    nesterov: bool = _field(False, "SGD (and Muon) with Nesterov momentum.", resume="match")
+    muon_learning_rate: float = _field(
+        0.24, "Muon: learning rate of the conv filter banks (each renormalised to norm sqrt(output channels) before "
+        "its step); the schedule scales it as it scales --learning_rate, --scale_lr leaves it.", resume="match", gt=0,
+    )  # fmt: skip
+    muon_momentum: float = _field(0.6, "Muon: momentum of the conv filter banks.", resume="match", ge=0, lt=1)
     weight_decay: float = _field(
         0.0, "Weight decay (coupled for adam and sgd, decoupled for adamw), scaled per parameter group by the model.",
         resume="match", ge=0,

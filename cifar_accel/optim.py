@@ -26,10 +26,11 @@ def build_loss(config: TrainConfig) -> LossFn:
 
 
 def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float) -> torch.optim.Optimizer:
-    """Adam, AdamW or SGD over the model's parameter groups (its ``parameter_groups`` hook, else one group), each
-    group with the learning rate and weight decay scaled as the hook says."""
-    if config.nesterov and (config.optimizer != "sgd" or config.momentum == 0):
-        raise InputError("--nesterov needs --optimizer sgd and a --momentum above 0")
+    """Adam, AdamW, SGD or Muon over the model's parameter groups (its ``parameter_groups`` hook, else one group),
+    each group with the learning rate and weight decay scaled as the hook says. Muon takes the conv filter banks
+    (the trained 4-D weights) out of those groups into one of its own."""
+    if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
+        raise InputError("--nesterov needs --optimizer sgd or muon and a --momentum above 0")
     if hasattr(model, "parameter_groups"):
         groups = [
             {"params": g["params"], "lr": learning_rate * g["lr_scale"],
@@ -38,6 +39,15 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
         ]  # fmt: skip
     else:
         groups = [{"params": list(model.parameters())}]
+    if config.optimizer == "muon":
+        filters = [p for g in groups for p in g["params"] if p.ndim == 4]
+        for group in groups:
+            group["params"] = [p for p in group["params"] if p.ndim != 4]
+        groups = [g for g in groups if g["params"]]
+        groups.append({"params": filters, "lr": config.muon_learning_rate, "momentum": config.muon_momentum,
+                       "weight_decay": 0.0, "muon": True})  # fmt: skip
+        return MuonSGD(groups, lr=learning_rate, momentum=config.momentum, nesterov=config.nesterov,
+                       weight_decay=config.weight_decay)  # fmt: skip
     if config.optimizer == "sgd":
         return torch.optim.SGD(
             groups, lr=learning_rate, momentum=config.momentum, nesterov=config.nesterov,
@@ -45,6 +55,52 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
         )  # fmt: skip
     adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     return adam(groups, lr=learning_rate, weight_decay=config.weight_decay)
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """An approximate orthogonalisation of ``matrix`` (rows x columns), in float32: U S' V^T for its SVD U S V^T,
+    with every S' near 1 (0.7-1.2). Muon's quintic Newton-Schulz iteration, with its coefficients (Keller
+    Jordan, 2024)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix.float() / (matrix.norm() + eps)
+    wide = x.size(0) <= x.size(1)
+    if not wide:
+        x = x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else x.T
+
+
+class MuonSGD(torch.optim.Optimizer):
+    """Muon on the parameter groups marked ``muon``, SGD on the others, in one optimizer, so that one state dict,
+    one schedule and one GradScaler step cover both.
+
+    SGD: ``d = g + weight_decay * p``, ``buf = momentum * buf + d``, a step of ``lr`` along ``d + momentum * buf``
+    (Nesterov) or ``buf``, as ``torch.optim.SGD`` without dampening. Muon (airbench94_muon's): the same momentum
+    without weight decay, then each filter bank is renormalised to norm sqrt(output channels) and steps by ``lr``
+    along the Newton-Schulz orthogonalisation of its update, seen as an (output channels x rest) matrix."""
+
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool, weight_decay: float) -> None:
+        defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay, "muon": False}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
+                update = update.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+                if group["muon"]:
+                    p.mul_(len(p) ** 0.5 / p.norm())
+                    update = newton_schulz(update.reshape(len(p), -1)).view_as(p)
+                p.add_(update, alpha=-group["lr"])
 
 
 @dataclass

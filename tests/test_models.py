@@ -14,7 +14,7 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_split
 from cifar_accel.errors import InputError
 from cifar_accel.models import MODELS, build_model
-from cifar_accel.models.fast_net import NORM_BIAS_LR_SCALE, patches_of
+from cifar_accel.models.fast_net import BIAS_LR_SCALE, patches_of
 from cifar_accel.optim import StepSchedule, build_optimizer
 from cifar_accel.transforms import BatchTransform
 
@@ -52,7 +52,7 @@ def test_whitening_makes_the_covariance_of_the_patches_it_sees_close_to_the_iden
     assert not model.whiten.weight.requires_grad  # frozen: the checkpoint's weights carry it
 
 
-def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_norm_biases():
+def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_biases():
     for name in MODELS:
         logits = build_model(name, num_classes=7)(torch.randn(2, 3, 32, 32))
         assert logits.shape == (2, 7), name
@@ -60,17 +60,17 @@ def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_norm_b
     config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3)
     optimizer = build_optimizer(config, model, learning_rate=0.5)
     others, biases = optimizer.param_groups  # the plain group first: its rate is the one logged
-    assert (biases["lr"], others["lr"]) == (0.5 * NORM_BIAS_LR_SCALE, 0.5)
+    assert (biases["lr"], others["lr"]) == (0.5 * BIAS_LR_SCALE, 0.5)
     assert biases["lr"] * biases["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    assert {id(p) for p in biases["params"]} == {id(m.bias) for m in norms}
+    assert {id(p) for p in biases["params"]} == {id(model.whiten.bias)} | {id(m.bias) for m in norms}
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == trained  # nothing frozen, nothing missed
     assert others["nesterov"] and others["momentum"] == 0.85
 
 
 def test_nesterov_without_sgd_momentum_is_refused():
-    with pytest.raises(InputError, match="--nesterov needs --optimizer sgd and a --momentum above 0"):
+    with pytest.raises(InputError, match="--nesterov needs --optimizer sgd or muon and a --momentum above 0"):
         build_optimizer(TrainConfig(nesterov=True), build_model("simple_cnn", 10), 0.1)
 
 

@@ -11,7 +11,7 @@ WHITEN_WIDTH = 2 * 3 * WHITEN_KERNEL**2  # each whitening filter and its negativ
 WIDTHS = (64, 256, 256)
 BATCHNORM_MOMENTUM = 0.4  # torch's convention (airbench's 0.6 is the weight of the running statistics)
 LOGIT_SCALE = 1 / 9
-NORM_BIAS_LR_SCALE = 64.0  # the BatchNorm biases learn 64x faster, with the same decay per step
+BIAS_LR_SCALE = 64.0  # the biases learn 64x faster, with the same decay per step
 
 
 def conv3x3(channels_in: int, channels_out: int) -> nn.Conv2d:
@@ -68,15 +68,15 @@ class FastNet(nn.Module):
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
     def parameter_groups(self) -> list[dict]:
-        """Every trained weight but the BatchNorm biases, and those with ``NORM_BIAS_LR_SCALE`` times the learning
-        rate and the weight decay divided by it (the decay per step, learning rate x weight decay, stays the
-        same)."""
-        norm_biases = [p for m in self.modules() if isinstance(m, nn.BatchNorm2d) for p in (m.bias,)]
-        ids = {id(p) for p in norm_biases}
+        """Every trained weight but the biases (the whitening's and BatchNorm's), and those with
+        ``BIAS_LR_SCALE`` times the learning rate and the weight decay divided by it (the decay per step,
+        learning rate x weight decay, stays the same)."""
+        biases = [self.whiten.bias, *(m.bias for m in self.modules() if isinstance(m, nn.BatchNorm2d))]
+        ids = {id(p) for p in biases}
         others = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
         return [  # the plain group first: the learning rate that logs and records report is its
             {"params": others, "lr_scale": 1.0, "weight_decay_scale": 1.0},
-            {"params": norm_biases, "lr_scale": NORM_BIAS_LR_SCALE, "weight_decay_scale": 1 / NORM_BIAS_LR_SCALE},
+            {"params": biases, "lr_scale": BIAS_LR_SCALE, "weight_decay_scale": 1 / BIAS_LR_SCALE},
         ]
 
 
