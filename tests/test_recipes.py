@@ -83,9 +83,10 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images):
 
 
 def fast_args(dataset, out, *extra):
-    """The fast preset, scaled down to the tiny dataset, with MixUp and CutMix on top."""
+    """The fast preset, scaled down to the tiny dataset, with MixUp, CutMix and an average of the weights on top."""
     return tiny_args(dataset, out, "--config", "fast", "--num_train_epochs", "3", "--per_device_train_batch_size",
-                     "32", "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--checkpointing_steps", "4",
+                     "32", "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--ema_decay", "0.95",
+                     "--checkpointing_steps", "4",
                      "--checkpoints_total_limit", "100", "--logging_steps", "5", "--max_eval_samples", "40",
                      *extra)  # fmt: skip
 

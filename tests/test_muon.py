@@ -1,0 +1,123 @@
+"""--optimizer muon: the Newton-Schulz orthogonalisation, the step of each kind of group, and which parameters
+each kind gets."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.engine import training_step
+from cifar_accel.models import build_model
+from cifar_accel.optim import MuonSGD, build_optimizer, build_scheduler, newton_schulz
+
+from conftest import fp16_accelerator, reset_accelerate_state
+
+
+@pytest.mark.parametrize("shape", [(64, 576), (576, 64), (256, 256)])
+def test_newton_schulz_keeps_the_singular_vectors_and_brings_the_singular_values_near_one(shape):
+    torch.manual_seed(0)
+    rank = min(shape)
+    left, right = torch.linalg.qr(torch.randn(shape[0], rank))[0], torch.linalg.qr(torch.randn(shape[1], rank))[0]
+    singular_values = torch.logspace(0, -1, rank)  # a condition number of 10
+    matrix = left @ torch.diag(singular_values) @ right.T
+    in_svd_basis = left.T @ newton_schulz(matrix) @ right
+    diagonal = in_svd_basis.diagonal()
+    assert (in_svd_basis - torch.diag(diagonal)).abs().max() < 1e-4  # U S' V^T: the same singular vectors
+    # The quintic's band: every singular value lands in about 0.7-1.2, however small it was.
+    assert diagonal.min() > 0.6 and diagonal.max() < 1.25
+
+
+def test_newton_schulz_agrees_with_torch_muon_on_a_matrix():
+    """torch.optim.Muon (2-D parameters only, its iteration in bfloat16) takes the same step on a matrix with
+    momentum 0 and no learning-rate adjustment, up to bfloat16 rounding."""
+    torch.manual_seed(1)
+    weight = nn.Parameter(torch.zeros(32, 96))
+    weight.grad = torch.randn(32, 96)
+    torch.optim.Muon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False).step()
+    ours = newton_schulz(weight.grad)
+    assert (-weight.detach() - ours).abs().max() < 0.03
+    assert (-weight.detach() - ours).abs().max() < 0.1 * ours.abs().max()
+
+
+def test_the_sgd_groups_step_exactly_as_torch_sgd_and_the_muon_group_as_its_formula():
+    torch.manual_seed(2)
+    plain, filters = torch.randn(10, 256), torch.randn(8, 4, 3, 3)
+    ours = [nn.Parameter(plain.clone()), nn.Parameter(filters.clone())]
+    reference = nn.Parameter(plain.clone())
+    optimizer = MuonSGD([{"params": [ours[0]]}, {"params": [ours[1]], "lr": 0.24, "momentum": 0.6, "weight_decay": 0.0,
+                         "muon": True}], lr=0.1, momentum=0.85, nesterov=True, weight_decay=5e-3)  # fmt: skip
+    sgd = torch.optim.SGD([reference], lr=0.1, momentum=0.85, nesterov=True, weight_decay=5e-3, foreach=False)
+    by_hand, buffer = filters.clone(), torch.zeros_like(filters)
+    for _ in range(3):
+        grads = torch.randn(10, 256), torch.randn(8, 4, 3, 3)
+        ours[0].grad, reference.grad, ours[1].grad = grads[0], grads[0].clone(), grads[1]
+        optimizer.step()
+        sgd.step()
+        buffer = 0.6 * buffer + grads[1]
+        by_hand = by_hand * (8**0.5 / by_hand.norm())
+        by_hand = by_hand - 0.24 * newton_schulz((grads[1] + 0.6 * buffer).reshape(8, -1)).view(8, 4, 3, 3)
+        assert torch.equal(ours[0], reference)
+        assert torch.allclose(ours[1], by_hand, atol=1e-6)
+    assert torch.equal(optimizer.state[ours[0]]["momentum_buffer"], sgd.state[reference]["momentum_buffer"])
+    # The filter bank's norm is back near sqrt(8) after each step: the orthogonalised step is small against it.
+    assert ours[1].norm().item() == pytest.approx(8**0.5, rel=0.1)
+
+
+@pytest.mark.parametrize("name", ["fast_net", "resnet18"])
+def test_muon_gets_every_trained_filter_bank_and_sgd_the_rest_with_the_models_scales(name):
+    model = build_model(name, num_classes=10)
+    config = TrainConfig(optimizer="muon", momentum=0.85, nesterov=True, weight_decay=2e-3, muon_learning_rate=0.3,
+                         muon_momentum=0.5, lr_scheduler_type="linear", lr_start_factor=1.0)  # fmt: skip
+    optimizer = build_optimizer(config, model, learning_rate=1.5)
+    *sgd_groups, muon = optimizer.param_groups
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in muon["params"]} == {id(p) for p in trained if p.ndim == 4}
+    assert {id(p) for g in sgd_groups for p in g["params"]} == {id(p) for p in trained if p.ndim != 4}
+    assert (muon["muon"], muon["lr"], muon["momentum"], muon["weight_decay"]) == (True, 0.3, 0.5, 0.0)
+    assert not any(g["muon"] for g in sgd_groups) and all(g["momentum"] == 0.85 for g in sgd_groups)
+    assert sgd_groups[0]["lr"] == 1.5 and sgd_groups[0]["weight_decay"] == 2e-3  # the plain group first, logged
+    if name == "fast_net":  # the classifier, then the biases at 64x the rate
+        assert [len(g["params"]) for g in sgd_groups] == [1, 7] and sgd_groups[1]["lr"] == 1.5 * 64
+        assert not model.whiten.weight.requires_grad and all(id(p) != id(model.whiten.weight) for p in muon["params"])
+    scheduler = build_scheduler(config, optimizer, steps_per_epoch=10)  # linear 1 -> 0 over 30 epochs x 10 steps
+    for _ in range(150):
+        optimizer.step()
+        scheduler.step()
+    assert muon["lr"] == pytest.approx(0.15) and sgd_groups[0]["lr"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("init_scale", [2.0**14, 2.0**40])
+def test_under_fp16_muon_steps_on_the_unscaled_gradients_and_a_skipped_step_leaves_it_alone(init_scale):
+    """With a real GradScaler: at 2**14 the step equals the step on the gradients of the same fp16 forward and loss
+    scaled and unscaled by hand (so the optimizer saw unscaled gradients); at 2**40 the scaled fp16 gradients
+    overflow, so the step is skipped and neither the weights nor the momentum change."""
+    torch.manual_seed(3)
+    config = TrainConfig(optimizer="muon", momentum=0.85, nesterov=True, weight_decay=1e-3)
+    model = build_model("simple_cnn", num_classes=10)
+    reference = copy.deepcopy(model)
+    images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        (F.cross_entropy(reference(images), labels) * 2.0**14).backward()
+    for p in reference.parameters():
+        p.grad /= 2.0**14  # the scaler's own arithmetic, by hand
+    reference_optimizer = build_optimizer(config, reference, learning_rate=0.05)
+    reference_optimizer.step()
+
+    accelerator = fp16_accelerator("cpu", init_scale=init_scale)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = accelerator.prepare(model, build_optimizer(config, model, learning_rate=0.05))
+    training_step(accelerator, model, optimizer, F.cross_entropy, images, labels)
+    skipped = accelerator.optimizer_step_was_skipped
+    reset_accelerate_state()
+    if init_scale == 2.0**40:
+        assert skipped and not optimizer.state
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        return
+    assert not skipped and len(optimizer.state) == len(list(model.parameters()))
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
