@@ -7,8 +7,8 @@
 #  3. the AMP exercises (overflow, pure fp16, scaler resume) on the GPU;
 #  4. the fast preset (--config fast: 10 epochs on all 50,000 training images) in bf16 and fp16: wall time, seconds
 #     per epoch, peak memory and test accuracy with and without TTA. On the lossless CIFAR-10 (DATA=uoft-cs/cifar10)
-#     airbench94, whose recipe it is, reaches 94.0%, so the wall time is the time to 94%; on the JPEG copy the same
-#     recipe tops out near 90.6%.
+#     airbench94_muon, whose recipe it is, reaches 94% there, so the wall time is the time to 94%;
+#     on the JPEG copy airbench94 tops out near 90.6%.
 #
 #   bash scripts/gpu_check.sh [DATA] [OUT] [extra cifar_accel.train flags...]
 #   bash scripts/gpu_check.sh ../shared/data/cifar10-jpeg outputs/gpu_check
