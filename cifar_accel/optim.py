@@ -62,7 +62,8 @@ def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
     with every S' near 1 (0.7-1.2). Muon's quintic Newton-Schulz iteration, with its coefficients (Keller
     Jordan, 2024)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = matrix.float() / (matrix.norm() + eps)
+    x = matrix.float()
+    x = x / (x.norm() + eps)
     wide = x.size(0) <= x.size(1)
     if not wide:
         x = x.T
@@ -87,6 +88,10 @@ class MuonSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -101,6 +106,7 @@ class MuonSGD(torch.optim.Optimizer):
                     p.mul_(len(p) ** 0.5 / p.norm())
                     update = newton_schulz(update.reshape(len(p), -1)).view_as(p)
                 p.add_(update, alpha=-group["lr"])
+        return loss
 
 
 @dataclass
