@@ -14,17 +14,20 @@ import dataclasses
 import json
 import re
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import torch
 from accelerate import Accelerator
 from accelerate.utils import load as load_pickled
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig
 from cifar_accel.errors import InputError, RunFault, one_line
+from cifar_accel.outputs import CHECKPOINTS_DIR, WEIGHTS_FILE
+from cifar_accel.schema import from_json
+from cifar_accel.state import TrainerState, checkpoint_name
 
 STATE_FILE = "trainer_state.json"
 PARTIAL_PREFIX = ".partial-"
@@ -35,50 +38,6 @@ class CheckpointSaveError(RunFault):
     """A checkpoint could not be written (for example, the disk is full); earlier ones are untouched."""
 
 
-@dataclass
-class TrainerState:
-    """Progress of a run, saved as JSON in every checkpoint."""
-
-    epoch: int = 0  # epochs completed
-    step_in_epoch: int = 0  # batches of the current epoch already trained on
-    global_step: int = 0  # optimizer steps taken
-    # Per process, the epoch so far: [loss sum, correct, images]; each process resumes its own, so the sums go on
-    # in the same order as in an uninterrupted run. Empty at an epoch's end.
-    epoch_totals: list[list[float]] = field(default_factory=list)
-    epoch_train_seconds: float = 0.0  # training time of the current epoch so far
-    epoch_learning_rate: float | None = None  # the learning rate the current epoch started with
-    best_val_accuracy: float | None = None
-    best_epoch: int | None = None
-    best_checkpoint: str | None = None
-    epochs_without_improvement: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    config_fingerprint: dict[str, Any] = field(default_factory=dict)
-    num_processes: int = 1  # of the run that wrote the checkpoint
-    skipped_steps: int = 0  # optimizer steps the GradScaler skipped (fp16)
-    skipped_steps_in_a_row: int = 0
-
-    def record_epoch(self, record: dict[str, Any]) -> bool:
-        """Close one epoch with its metrics; returns whether its validation accuracy is the best so far (never,
-        without validation)."""
-        self.epoch = record["epoch"]
-        self.step_in_epoch, self.epoch_totals, self.epoch_train_seconds = 0, [], 0.0
-        self.epoch_learning_rate = None
-        self.history.append(record)
-        if record["val_accuracy"] is None:
-            return False
-        improved = self.best_val_accuracy is None or record["val_accuracy"] > self.best_val_accuracy
-        if improved:
-            self.best_val_accuracy, self.best_epoch = record["val_accuracy"], record["epoch"]
-            self.best_checkpoint = checkpoint_name(self.global_step)
-            self.epochs_without_improvement = 0
-        else:
-            self.epochs_without_improvement += 1
-        return improved
-
-    def should_stop_early(self, patience: int) -> bool:
-        return patience > 0 and self.epochs_without_improvement >= patience
-
-
 def config_fingerprint(config: TrainConfig, mixed_precision: str) -> dict[str, Any]:
     """The config values a resume must share with the checkpoint: the fields whose metadata says
     ``resume="match"``, with the precision that was in effect rather than the one requested."""
@@ -86,12 +45,8 @@ def config_fingerprint(config: TrainConfig, mixed_precision: str) -> dict[str, A
     return {**values, "mixed_precision": mixed_precision}
 
 
-def checkpoint_name(global_step: int) -> str:
-    return f"step_{global_step:08d}"
-
-
 def checkpoint_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS_DIR
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -144,6 +99,26 @@ def save_checkpoint(
     return final
 
 
+def adopt_best_checkpoint(resumed_from: Path, state: TrainerState, output_dir: Path) -> None:
+    """A run resumed from another folder's checkpoint (a fork) copies that run's best checkpoint into its own
+    folder, where its final test and its own checkpoints, which name it, look for it."""
+    if state.best_checkpoint is None:
+        return
+    target = checkpoint_dir(output_dir) / state.best_checkpoint
+    if target.exists():  # resumed in its own folder
+        return
+    partial = target.with_name(PARTIAL_PREFIX + target.name)
+    try:
+        shutil.copytree(resumed_from.parent / state.best_checkpoint, partial)
+        partial.rename(target)
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RunFault(
+            f"copying the best checkpoint {resumed_from.parent / state.best_checkpoint} into {target.parent} failed "
+            f"({err.strerror or err}); free space there and run again"
+        ) from None
+
+
 def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, TrainerState]:
     """The checkpoint folder named by ``--resume_from_checkpoint`` (a path, or 'latest'), with its checked
     trainer state."""
@@ -165,13 +140,9 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
     return path, read_trainer_state(path)
 
 
-MAX_COUNT = 10**9  # no real run takes this many epochs, steps or processes
-STATE_KEYS_ADDED_LATER = {"epoch_learning_rate"}  # may be missing from older checkpoints
-
-
 def read_trainer_state(path: Path) -> TrainerState:
-    """The trainer state of checkpoint ``path``, checked as a schema before it is used: types and ranges, the
-    optimizer step against the folder's name, and the best checkpoint against the folders that exist."""
+    """The trainer state of checkpoint ``path``, checked before it is used: every field and epoch record against
+    its definition (``state.py``), then the fields against each other and the folders beside it."""
 
     def invalid(problem: str) -> InputError:
         return InputError(
@@ -185,69 +156,19 @@ def read_trainer_state(path: Path) -> TrainerState:
             f"checkpoint '{path}' has an unreadable {STATE_FILE} ({one_line(err)[:200]}); resume from another "
             "checkpoint"
         ) from None
-    fields = {f.name for f in dataclasses.fields(TrainerState)}
-    if not isinstance(data, dict):
-        raise invalid("not a JSON object")
-    if wrong_keys := (set(data) ^ fields) - STATE_KEYS_ADDED_LATER:
-        raise invalid(f"unexpected or missing keys: {', '.join(sorted(map(str, wrong_keys)))[:200]}")
-
-    def count(name: str, low: int = 0) -> int:
-        value = data[name]
-        if type(value) is not int or not low <= value <= MAX_COUNT:
-            raise invalid(f"'{name}' must be a whole number from {low} to {MAX_COUNT}, not {str(value)[:50]!r}")
-        return value
-
-    def number(value: object, name: str, high: float = float("inf")) -> float:
-        if type(value) not in (int, float) or not 0 <= value <= high:
-            raise invalid(f"'{name}' must be a number from 0 to {high}, not {str(value)[:50]!r}")
-        return value
-
-    epoch = count("epoch")
-    for name in ("step_in_epoch", "epochs_without_improvement", "skipped_steps", "skipped_steps_in_a_row"):
-        count(name)
-    processes = count("num_processes", low=1)
-    step = count("global_step")
-    if match := _NAME.match(path.name):
-        if int(match.group(1)) != step:
-            raise invalid(f"'global_step' is {step} but the folder is named for step {int(match.group(1))}")
-    totals = data["epoch_totals"]
+    totals = data.get("epoch_totals") if isinstance(data, dict) else None
     if isinstance(totals, list) and len(totals) == 3 and not any(isinstance(t, list) for t in totals):
-        totals = data["epoch_totals"] = [totals] + [[0.0] * 3] * (processes - 1)  # the sum of all, as once written
-    if not isinstance(totals, list) or len(totals) not in (0, processes):
-        raise invalid(f"'epoch_totals' must hold [loss sum, correct, images] for each of the {processes} processes")
-    for process_totals in totals:
-        if not isinstance(process_totals, list) or len(process_totals) != 3:
-            raise invalid("'epoch_totals' must hold a list of 3 numbers for each process")
-        for value in process_totals:
-            number(value, "epoch_totals")
-    number(data["epoch_train_seconds"], "epoch_train_seconds")
-    if data.get("epoch_learning_rate") is not None:
-        number(data["epoch_learning_rate"], "epoch_learning_rate")
-    history = data["history"]
-    if not isinstance(history, list) or len(history) != epoch:
-        raise invalid(f"'history' must be a list of {epoch} epoch records")
-    for index, record in enumerate(history, start=1):
-        if not isinstance(record, dict) or record.get("epoch") != index:
-            raise invalid(f"'history' entry {index} must be the record of epoch {index}")
-        val_accuracy = record.get("val_accuracy", "missing")
-        if val_accuracy is not None:  # None: a run without validation
-            number(val_accuracy, f"history[{index}].val_accuracy", high=1)
-    if not isinstance(data["config_fingerprint"], dict):
-        raise invalid("'config_fingerprint' must be a mapping")
-    best = data["best_checkpoint"]
-    if all(record["val_accuracy"] is None for record in history):  # also before the first epoch's end
-        if (best, data["best_epoch"], data["best_val_accuracy"]) != (None, None, None):
-            raise invalid("a checkpoint without a validated epoch cannot name a best epoch")
-    else:
-        if not isinstance(best, str) or not _NAME.match(best):
-            raise invalid(f"'best_checkpoint' must name a checkpoint folder, not {str(best)[:50]!r}")
-        if not (path.parent / best / STATE_FILE).is_file():
-            raise invalid(f"its best checkpoint '{best}' does not exist next to it")
-        best_epoch = data["best_epoch"]
-        if type(best_epoch) is not int or not 1 <= best_epoch <= epoch:
-            raise invalid(f"'best_epoch' must be an epoch from 1 to {epoch}, not {str(best_epoch)[:50]!r}")
-        number(data["best_val_accuracy"], "best_val_accuracy", high=1)
-    return TrainerState(**data)
+        processes = data.get("num_processes") if type(data.get("num_processes")) is int else 1
+        data["epoch_totals"] = [totals] + [[0.0] * 3] * (processes - 1)  # the sum of all, as once written
+    state = from_json(TrainerState, data, invalid)
+    match = _NAME.match(path.name)
+    problem = state.consistency_problem(
+        int(match.group(1)) if match else None,
+        lambda name: bool(_NAME.match(name)) and (path.parent / name / STATE_FILE).is_file(),
+    )
+    if problem:
+        raise invalid(problem)
+    return state
 
 
 def check_checkpoint_files(
@@ -275,15 +196,54 @@ def check_checkpoint_files(
         if not file.is_file():
             raise InputError(f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint")
         try:
-            if name.endswith(".safetensors"):
-                safetensors.torch.load_file(file)
-            else:
-                load_pickled(file, weights_only=True)
+            tensors = safetensors.torch.load_file(file) if name.endswith(".safetensors") else load_pickled(
+                file, weights_only=True)  # fmt: skip
         except Exception as err:  # noqa: BLE001 - torch and safetensors raise many kinds for a bad file
             raise InputError(
                 f"checkpoint '{path}': {name} cannot be read as plain tensors and numbers ({type(err).__name__}: "
                 f"{one_line(err)[:200]}); it is damaged or unsafe, resume from another checkpoint"
             ) from None
+        if problem := value_problem(name, tensors, state):
+            raise InputError(f"checkpoint '{path}': {name} {problem}; it is damaged, resume from another checkpoint")
+
+
+def value_problem(name: str, saved: object, state: TrainerState) -> str | None:
+    """What is wrong with the values of a checkpoint file, or None: a run saves nothing non-finite (the weights,
+    their average, the optimizer's moments), and the weight average has been updated once per optimizer step."""
+    tensors = [saved] if isinstance(saved, torch.Tensor) else []
+    pending = [saved]
+    while pending:  # the tensors inside nested dicts and lists (an optimizer's state)
+        item = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else []
+        for child in children:
+            (tensors if isinstance(child, torch.Tensor) else pending).append(child)
+    if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors):
+        return "holds non-finite values (NaN or infinity)"
+    if name == EMA_FILE:
+        updates = saved.get("n_averaged")
+        counted = None if updates is None or updates.numel() != 1 or updates.is_floating_point() else int(updates)
+        if counted != state.global_step:
+            return (f"counts {counted} updates of the weight average, but the checkpoint is of optimizer step "
+                    f"{state.global_step}, and the average is updated at each")  # fmt: skip
+    return None
+
+
+def validated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The weights that were validated when ``checkpoint`` was saved: the weight average's (``ema.safetensors``)
+    in a run that kept one, else the model's; checked as a resume checks them."""
+    state = read_trainer_state(checkpoint)
+    name = EMA_FILE if (checkpoint / EMA_FILE).is_file() else WEIGHTS_FILE
+    try:
+        saved = safetensors.torch.load_file(checkpoint / name)
+    except Exception as err:  # noqa: BLE001 - safetensors raises many kinds for a bad file
+        raise InputError(
+            f"checkpoint '{checkpoint}': {name} cannot be read ({type(err).__name__}: {one_line(err)[:200]})"
+        ) from None
+    if problem := value_problem(name, saved, state):
+        raise InputError(f"checkpoint '{checkpoint}': {name} {problem}; it is damaged, use another checkpoint")
+    if name == EMA_FILE:  # AveragedModel's state: the averaged module's, under 'module.', and its update count
+        return {key.removeprefix("module."): value for key, value in saved.items() if key.startswith("module.")}
+    return saved
 
 
 def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], num_processes: int) -> None:

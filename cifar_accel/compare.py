@@ -26,8 +26,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import TrainConfig, load_config, read_config_file
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, one_line, run_cli
-from cifar_accel.outputs import OutputDirLock, save_atomic, write_atomic
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
+from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.telemetry import hardware
@@ -53,14 +53,14 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
                         help="Precisions to compare (default: all; those this machine lacks are skipped).")  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="One run per seed (default: 42).")
-    parser.add_argument("--output_dir", default="outputs/compare", help="Runs and the report go here.")
+    parser.add_argument("--output_dir", type=non_empty, default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 
 
 def same_config(run_dir: Path, config: TrainConfig) -> bool:
     try:
-        saved = read_config_file(run_dir / "config.yaml")
+        saved = read_config_file(run_dir / CONFIG_FILE)
     except InputError:  # missing or damaged: not a run of this config
         return False
     wanted = config.to_dict()
@@ -70,7 +70,7 @@ def same_config(run_dir: Path, config: TrainConfig) -> bool:
 def finished_results(run_dir: Path) -> dict[str, Any] | None:
     """A run's results.json, or None when it is missing or unreadable (the run did not finish)."""
     try:
-        results = json.loads((run_dir / "results.json").read_text())
+        results = json.loads((run_dir / RESULTS_FILE).read_text())
     except (OSError, ValueError):
         return None
     return results if isinstance(results, dict) else None
@@ -102,7 +102,7 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -
 
 def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
     """(optimizer step, loss scale) as logged to TensorBoard; empty without a GradScaler."""
-    project_name = TrainConfig(**read_config_file(run_dir / "config.yaml")).project_name
+    project_name = TrainConfig(**read_config_file(run_dir / CONFIG_FILE)).project_name
     events = EventAccumulator(str(tensorboard_dir(run_dir, project_name)), size_guidance={"scalars": 0})
     events.Reload()
     if "step/loss_scale" not in events.Tags()["scalars"]:
@@ -119,11 +119,13 @@ def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> d
     results = [r for _, r in runs.values()]
     epochs = min(len(r["history"]) for r in results)
 
-    def per_epoch(key: str) -> list[float]:
-        return [statistics.fmean(r["history"][i][key] for r in results) for i in range(epochs)]
+    def per_epoch(key: str) -> list[float] | None:  # None: the runs have no validation
+        values = [[r["history"][i][key] for r in results] for i in range(epochs)]
+        return None if any(None in epoch for epoch in values) else [statistics.fmean(epoch) for epoch in values]
 
-    def over_seeds(key: str) -> dict[str, float]:
-        return mean_and_spread([float(r[key]) for r in results])
+    def over_seeds(key: str) -> dict[str, float] | None:
+        values = [r[key] for r in results]
+        return None if None in values else mean_and_spread([float(value) for value in values])
 
     return {
         "precision": precision,
@@ -138,6 +140,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> d
         "test_accuracy": over_seeds("test_accuracy"),
         "skipped_steps": over_seeds("skipped_steps"),
         "val_accuracy_per_epoch": per_epoch("val_accuracy"),
+        "train_accuracy_per_epoch": per_epoch("train_accuracy"),
         "train_loss_per_epoch": per_epoch("train_loss"),
         "epoch_seconds_per_epoch": per_epoch("epoch_seconds"),
         "loss_scale_trace": {str(seed): loss_scale_trace(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
@@ -169,11 +172,14 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
         return []
     written = []
     fig, (acc, loss) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    validated = all(s["val_accuracy_per_epoch"] is not None for s in summaries)
+    accuracy = "val_accuracy_per_epoch" if validated else "train_accuracy_per_epoch"  # --val_ratio 0: no validation
     for s in summaries:
         epochs = range(1, s["epochs"] + 1)
-        acc.plot(epochs, s["val_accuracy_per_epoch"], marker="o", label=s["precision"])
+        acc.plot(epochs, s[accuracy], marker="o", label=s["precision"])
         loss.plot(epochs, s["train_loss_per_epoch"], marker="o", label=s["precision"])
-    acc.set(title="validation accuracy", xlabel="epoch", ylabel="accuracy")
+    acc.set(title="validation accuracy" if validated else "training accuracy (no validation)", xlabel="epoch",
+            ylabel="accuracy")  # fmt: skip
     loss.set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
     for ax in (acc, loss):
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -210,7 +216,9 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    def pm(stat: dict[str, float], fmt: str) -> str:
+    def pm(stat: dict[str, float] | None, fmt: str) -> str:
+        if stat is None:  # runs without validation have no best validation accuracy
+            return "-"
         return format(stat["mean"], fmt) + (f" ± {format(stat['std'], fmt)}" if len(report["seeds"]) > 1 else "")
 
     hw = report["hardware"]

@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import re
+import reprlib
 import stat
 import types
 import typing
@@ -27,8 +28,10 @@ from cifar_accel.errors import ArgumentParser, InputError
 
 Precision = Literal["no", "fp16", "bf16"]
 TestTimeAugmentation = Literal["none", "flip", "flip_translate"]
+PER_STEP_SCHEDULES = ("linear", "cosine_steps")  # the lr_scheduler_type values that step per optimizer step
 PRESETS_DIR = Path(__file__).parent / "configs"  # the packaged config files, selectable by name with --config
 DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
+CONFIG_HEADER = "# The effective config of a cifar_accel training run"  # how a run's config.yaml is told from a user's
 
 
 # What a resumed run may do with a field: keep it as the checkpoint has it, or change it.
@@ -331,32 +334,61 @@ def _check_value(name: str, value: Any, origin: str) -> Any:
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; anything near this is not one
 MAX_YAML_DEPTH = 8  # our keys take scalars; nesting only ever comes from a wrong file
 MAX_YAML_ALIASES = 100
+MAX_YAML_VALUES = 10_000  # keys and values, aliases expanded; a config has about 120
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 2, 60, 60
+_SHORT_REPR.maxtuple = _SHORT_REPR.maxlist = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
 
 
 def _quote(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters, for error messages that must stay one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    """A short ``repr(value)`` for error messages that must stay one short line: its work is bounded too (a YAML
+    alias can make a small file a value with billions of elements), since ``reprlib`` stops at a few elements a
+    level and a few levels."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
-    """Refuse nesting and alias use that no config needs, before PyYAML builds anything (deep nesting would
-    exhaust its recursion, and aliases can expand a small file into a huge structure)."""
-    depth = aliases = 0
+    """Refuse nesting, alias use and sizes that no config needs, before PyYAML builds anything: deep nesting would
+    exhaust its recursion, and aliases can expand a small file into a huge structure, so the values are counted
+    as they would be expanded."""
+    sizes: dict[str, int] = {}  # anchor -> elements of its value, expanded
+    open_collections: list[list] = []  # [anchor, elements so far] of each collection being read, innermost last
+    total = aliases = 0
+
+    def read(elements: int, anchor: str | None = None) -> None:
+        """A value of ``elements`` expanded elements (itself included) was read."""
+        nonlocal total
+        total += elements
+        if total > MAX_YAML_VALUES:
+            raise InputError(f"config file {path} holds more than {MAX_YAML_VALUES} values once its YAML aliases are "
+                             "expanded; it must hold a flat mapping of config keys")  # fmt: skip
+        if anchor is not None:
+            sizes[anchor] = elements
+        if open_collections:
+            open_collections[-1][1] += elements
+
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_YAML_DEPTH:
+                open_collections.append([event.anchor, 1])
+                if len(open_collections) > MAX_YAML_DEPTH:
                     raise InputError(f"config file {path} nests deeper than {MAX_YAML_DEPTH} levels; it must hold a "
                                      "flat mapping of config keys")  # fmt: skip
             elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+                anchor, elements = open_collections.pop()
+                total -= elements - 1  # its elements were counted as they were read, and are counted again here
+                read(elements, anchor)
+            elif isinstance(event, yaml.ScalarEvent):
+                read(1, event.anchor)
             elif isinstance(event, yaml.AliasEvent):
                 aliases += 1
                 if aliases > MAX_YAML_ALIASES:
                     raise InputError(f"config file {path} uses more than {MAX_YAML_ALIASES} YAML aliases; write the "
                                      "values out")  # fmt: skip
+                read(sizes.get(event.anchor, 1))
     except yaml.YAMLError:
         return  # safe_load reports the syntax error with its line
 
@@ -367,6 +399,11 @@ def preset_names() -> list[str]:
 
 def config_path(spec: str) -> Path:
     """The file ``--config`` names: a packaged preset by its name, else a path."""
+    if not spec.strip():
+        raise InputError(
+            f"--config is empty; pass a preset's name ({', '.join(preset_names())}) or the path of a YAML file, or "
+            "leave --config out for the default recipe"
+        )
     if spec in preset_names():
         return PRESETS_DIR / f"{spec}.yaml"
     if not Path(spec).exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
@@ -444,7 +481,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         options = [o for a in parser._actions for o in a.option_strings]
         raise InputError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options)}")
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
-    from_file = read_config_file(config_path(args.config)) if getattr(args, "config", None) else {}
+    from_file = read_config_file(config_path(args.config)) if hasattr(args, "config") else {}
 
     values = {**from_file, **cli}
     for name, value in cli.items():
@@ -454,9 +491,32 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
-    return TrainConfig(**values), source
+    config = TrainConfig(**values)
+    source_file = getattr(args, "config", None)
+    label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
+    origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}
+    check_combinations(config, {name: origins.get(name, f"'{name}' (the default)") for name in FIELDS})
+    return config, source
+
+
+def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
+    """The rules between fields, checked before any data is read. ``origins`` says where each value came from
+    (a flag, the config file, the default), so the message points at what to change."""
+    per_step = config.lr_scheduler_type in PER_STEP_SCHEDULES
+    if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
+        problem = f"{origins['optimizer']} is {config.optimizer}" if config.optimizer not in ("sgd", "muon") else (
+            f"{origins['momentum']} is 0")  # fmt: skip
+        raise InputError(
+            f"Nesterov momentum ({origins['nesterov']}) needs --optimizer sgd or muon and a --momentum above 0, but "
+            f"{problem}; add --no-nesterov, or change that"
+        )
+    if config.warmup_ratio and not per_step:
+        raise InputError(
+            f"a warm-up ({origins['warmup_ratio']}) needs a per-step schedule, but {origins['lr_scheduler_type']} is "
+            f"'{config.lr_scheduler_type}'; use --lr_scheduler_type linear or cosine_steps, or --warmup_ratio 0"
+        )
 
 
 def config_yaml(config: TrainConfig) -> str:
-    """The config as the YAML text that ``read_config_file`` reads back."""
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    """The config as the YAML text that ``read_config_file`` reads back, under ``CONFIG_HEADER``."""
+    return f"{CONFIG_HEADER}\n{yaml.safe_dump(config.to_dict(), sort_keys=False)}"

@@ -30,7 +30,6 @@ from cifar_accel.errors import InputError, one_line
 logger = logging.getLogger(__name__)
 
 IMAGE_SIZE = 32
-LABELS_FILE = "labels.json"  # a run's class names, for evaluate and predict
 LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
 

@@ -106,6 +106,8 @@ def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> tor
 
     if tta == "flip":
         return with_mirror(images)
+    if tta != "flip_translate":
+        raise ValueError(f"unknown test-time augmentation {tta!r}; use none, flip or flip_translate")
     padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
     shifted = (padded[:, :, :-2, :-2], padded[:, :, 2:, 2:])
     return 0.5 * with_mirror(images) + 0.25 * (with_mirror(shifted[0]) + with_mirror(shifted[1]))

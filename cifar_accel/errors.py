@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -36,6 +37,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise InputError(f"{message} (see --help)")
+
+
+def non_empty(value: str) -> str:
+    """An argparse type for names and paths: an empty value (a shell variable that was not set) is refused rather
+    than read as 'the default' or as the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 MAX_ERROR_CHARACTERS = 2000
@@ -68,12 +77,22 @@ def keep_stderr_for_errors() -> None:
                 handler.setStream(sys.stdout)
 
 
+def report_thread_failure(args: threading.ExceptHookArgs) -> None:
+    """A background thread's exception (TensorBoard's event writer on a full disk) as one log line on stdout,
+    not a traceback on stderr: the writer raises it again in the main thread, where it becomes the one error
+    line of the exit-code contract."""
+    name = args.exc_type.__name__ if args.exc_type else "error"
+    print(f"background thread {args.thread.name if args.thread else '?'} failed: {name}: {one_line(args.exc_value)}")
+
+
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` and turn exceptions into the exit-code contract: one line on stderr for a failure,
     with at most ``MAX_ERROR_CHARACTERS`` characters."""
     argv = list(sys.argv[1:] if argv is None else argv)
     keep_stderr_for_errors()
     debug = "--debug" in argv
+    if not debug:
+        threading.excepthook = report_thread_failure
     try:
         main(argv)
     except InputError as err:

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from cifar_accel.config import TestTimeAugmentation
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, run_cli
 from cifar_accel.inference import load_model
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import save_atomic, write_atomic
@@ -32,18 +32,28 @@ from cifar_accel.precision import effective_precision
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--model", required=True, help="A run's output folder, a checkpoint folder or a .safetensors.")
-    parser.add_argument("--dataset_name", help="Hub id or local path; default: the dataset the run trained on.")
-    parser.add_argument("--split", default="test", help="Dataset split to evaluate (default: test).")
-    parser.add_argument("--image_column_name", help="Image column; default: the run's, else found by type.")
-    parser.add_argument("--label_column_name", help="Label column; default: the run's, else found by type.")
+    parser.add_argument(
+        "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
+    )
+    parser.add_argument(
+        "--dataset_name", type=non_empty, help="Hub id or local path; default: the dataset the run trained on."
+    )
+    parser.add_argument("--split", type=non_empty, default="test", help="Dataset split to evaluate (default: test).")
+    parser.add_argument(
+        "--image_column_name", type=non_empty, help="Image column; default: the run's, else found by type."
+    )
+    parser.add_argument(
+        "--label_column_name", type=non_empty, help="Label column; default: the run's, else found by type."
+    )
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: the launcher's, or no.")
     parser.add_argument("--tta", choices=typing.get_args(TestTimeAugmentation), default="none",
                         help="Test-time augmentation: none (default), flip, or flip_translate.")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
-    parser.add_argument("--output_dir", help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>.")
+    parser.add_argument(
+        "--output_dir", type=non_empty, help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>."
+    )
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 

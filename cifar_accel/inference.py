@@ -8,6 +8,7 @@ classifier.predict([Image.open("cat.png")])        # [[('cat', 0.91)]]
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +19,16 @@ from PIL import Image
 from safetensors import SafetensorError
 from torch import nn
 
-from cifar_accel.config import TrainConfig, read_config_file
-from cifar_accel.data import IMAGE_SIZE, LABELS_FILE, image_to_rgb32
+from cifar_accel.checkpoint import STATE_FILE, validated_weights
+from cifar_accel.config import TestTimeAugmentation, TrainConfig, read_config_file
+from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line
 from cifar_accel.models import build_model
-from cifar_accel.outputs import WEIGHTS_FILE
+from cifar_accel.outputs import CONFIG_FILE, LABELS_FILE, REPLACED_RUN, WEIGHTS_FILE, set_aside_note
 from cifar_accel.transforms import BatchTransform
+
+EXPECTED_IMAGES = "a non-empty list of PIL images, or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32)"
 
 
 @dataclass
@@ -40,27 +44,38 @@ class TrainedModel:
 
     def as_batch(self, images: Sequence[Image.Image] | torch.Tensor) -> torch.Tensor:
         """PIL images (any mode and size, converted as training images are) or a uint8 tensor of shape
-        (N, 3, 32, 32) or (3, 32, 32), as one uint8 batch on the model's device."""
+        (N, 3, 32, 32) or (3, 32, 32), as one uint8 batch on the model's device. Anything else is a ValueError
+        that names what is expected."""
         if isinstance(images, torch.Tensor):
             batch = images.unsqueeze(0) if images.dim() == 3 else images
             if batch.dtype != torch.uint8 or batch.dim() != 4 or tuple(batch.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
-                raise ValueError(
-                    f"expected uint8 images of shape (N, 3, 32, 32), got {batch.dtype} {tuple(images.shape)}"
-                )
-        else:
+                raise ValueError(f"expected {EXPECTED_IMAGES}, got {batch.dtype} of shape {tuple(images.shape)}")
+            if not len(batch):
+                raise ValueError(f"expected {EXPECTED_IMAGES}, got an empty tensor")
+        elif isinstance(images, (list, tuple)) and images and all(isinstance(i, Image.Image) for i in images):
             batch = torch.stack([torch.tensor(image_to_rgb32(image)[0]) for image in images])
+        elif isinstance(images, (list, tuple)):
+            kinds = sorted({type(image).__name__ for image in images})
+            got = f"a list of {', '.join(kinds)}" if kinds else "an empty list"
+            raise ValueError(f"expected {EXPECTED_IMAGES}, got {got}")
+        else:
+            raise ValueError(f"expected {EXPECTED_IMAGES}, got {type(images).__name__}")
         return batch.to(next(self.model.parameters()).device)
 
     @torch.no_grad()
     def probabilities(self, images: Sequence[Image.Image] | torch.Tensor, tta: str = "none") -> torch.Tensor:
         """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked."""
+        if tta not in typing.get_args(TestTimeAugmentation):
+            raise ValueError(f"tta must be one of {', '.join(typing.get_args(TestTimeAugmentation))}, not {tta!r}")
         logits = tta_logits(self.model, self.preprocess(self.as_batch(images)), tta)
         return logits.float().softmax(1).cpu()
 
     def predict(
         self, images: Sequence[Image.Image] | torch.Tensor, top_k: int = 1, tta: str = "none"
     ) -> list[list[tuple[str, float]]]:
-        """For each image, its ``top_k`` classes with their probabilities, most likely first."""
+        """For each image, its ``top_k`` classes (at least 1) with their probabilities, most likely first."""
+        if type(top_k) is not int or top_k < 1:
+            raise ValueError(f"top_k must be a whole number of at least 1, not {top_k!r}")
         top = self.probabilities(images, tta).topk(min(top_k, len(self.class_names)), dim=1)
         return [[(self.class_names[i], float(p)) for p, i in zip(scores, indices, strict=True)]
                 for scores, indices in zip(top.values, top.indices, strict=True)]  # fmt: skip
@@ -69,10 +84,10 @@ class TrainedModel:
 def find_run_dir(weights: Path) -> Path:
     """The run folder that holds ``config.yaml``: the weights' folder, or the run above a checkpoint."""
     for folder in (weights.parent, weights.parent.parent, weights.parent.parent.parent):
-        if (folder / "config.yaml").is_file() and (folder / LABELS_FILE).is_file():
+        if (folder / CONFIG_FILE).is_file() and (folder / LABELS_FILE).is_file():
             return folder
     raise InputError(
-        f"no config.yaml and {LABELS_FILE} found for {weights}; pass a run's output folder, its model.safetensors, "
+        f"no {CONFIG_FILE} and {LABELS_FILE} found for {weights}; pass a run's output folder, its {WEIGHTS_FILE}, "
         "or one of its checkpoints"
     )
 
@@ -93,21 +108,27 @@ def read_class_names(path: Path) -> list[str]:
 
 def load_model(path: str | Path) -> TrainedModel:
     """The trained model of a run folder, a checkpoint folder or a .safetensors file inside either: the run's
-    architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names."""
+    architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names. A
+    checkpoint gives the weights its validation measured: their average, in a run with --ema_decay."""
     path = Path(path)
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
-        raise InputError(f"no model weights at '{weights}'; pass a run folder, a checkpoint folder or a .safetensors")
+        aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""
+        raise InputError(
+            f"no model weights at '{weights}'{aside}; pass a run folder, a checkpoint folder or a .safetensors"
+        )
     if weights.suffix != ".safetensors":
         raise InputError(f"'{weights}' is not a .safetensors file; only safetensors weights are loaded")
     run_dir = find_run_dir(weights)
-    config = TrainConfig(**read_config_file(run_dir / "config.yaml"))
+    config = TrainConfig(**read_config_file(run_dir / CONFIG_FILE))
     class_names = read_class_names(run_dir / LABELS_FILE)
     model = build_model(config.model_name, num_classes=len(class_names))
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)
+    in_checkpoint = weights.name == WEIGHTS_FILE and (weights.parent / STATE_FILE).is_file()
     try:
-        model.load_state_dict(safetensors.torch.load_file(weights))
+        state = validated_weights(weights.parent) if in_checkpoint else safetensors.torch.load_file(weights)
+        model.load_state_dict(state)
     except (SafetensorError, RuntimeError, OSError) as err:
         raise InputError(
             f"weights in '{weights}' do not fit model '{config.model_name}' with {len(class_names)} classes "

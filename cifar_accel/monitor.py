@@ -20,13 +20,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.averaging import WeightAverage
-from cifar_accel.checkpoint import TrainerState, save_checkpoint
+from cifar_accel.checkpoint import save_checkpoint
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import RunFault, Stopped
 from cifar_accel.optim import steps_per_update
 from cifar_accel.outputs import discard_replaced_run
+from cifar_accel.state import EpochRecord, TrainerState
 from cifar_accel.stopping import StopRequest
-from cifar_accel.telemetry import EpochRecord, log_epoch, log_step, loss_scale
+from cifar_accel.telemetry import log_epoch, log_step, loss_scale
 
 logger = get_logger(__name__)
 
@@ -207,7 +208,7 @@ class TrainingMonitor:
             skipped_steps=self.state.skipped_steps,
             loss_scale=loss_scale(self.accelerator),
         )
-        self.state.record_epoch(record.to_dict())
+        self.state.record_epoch(record)
         log_epoch(self.accelerator, record, self.state.global_step)
         self.save()
         if self.stop.requested(self.accelerator):

@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.config import PER_STEP_SCHEDULES, TrainConfig
 from cifar_accel.engine import LossFn
 from cifar_accel.errors import InputError
-
-PER_STEP_SCHEDULES = ("linear", "cosine_steps")
 
 
 def build_loss(config: TrainConfig) -> LossFn:
@@ -29,8 +27,6 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
     """Adam, AdamW, SGD or Muon over the model's parameter groups (its ``parameter_groups`` hook, else one group),
     each group with the learning rate and weight decay scaled as the hook says. Muon takes the conv filter banks
     (the trained 4-D weights) out of those groups into one of its own."""
-    if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
-        raise InputError("--nesterov needs --optimizer sgd or muon and a --momentum above 0")
     if hasattr(model, "parameter_groups"):
         groups = [
             {"params": g["params"], "lr": learning_rate * g["lr_scale"],

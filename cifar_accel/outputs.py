@@ -4,6 +4,7 @@ run that is replaced only once the new one has a checkpoint."""
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -17,33 +18,77 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch import nn
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.config import CONFIG_HEADER, TrainConfig
 from cifar_accel.errors import InputError, RunFault
 
 WEIGHTS_FILE = "model.safetensors"  # a run's final weights
+RESULTS_FILE = "results.json"  # what a finished run measured (telemetry.run_results)
+CONFIG_FILE = "config.yaml"  # the effective config (config.config_yaml)
+LABELS_FILE = "labels.json"  # the class names, for evaluate, predict and load_model
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"  # the trackers' files: TensorBoard's events under logs/<project_name>/
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
-# What a training run writes into its folder, and --overwrite_output_dir sets aside.
+DISCARDED_PREFIX = ".discarded-run-"  # a set-aside run being deleted (renamed first, so the deletion is all or none)
 CARD_FILE = "README.md"  # the model card (card.py); a README.md without CARD_MARK is the user's and left alone
 LIBRARY_NAME = "cifar-accel"
 CARD_MARK = f"library_name: {LIBRARY_NAME}"
 CURVES_FILE = "curves.png"
-RUN_FILES = ("checkpoints", "logs", "results.json", "model.safetensors", "config.yaml", "labels.json", CURVES_FILE)
+# What a training run writes into its folder, and --overwrite_output_dir sets aside (with the model card and, if
+# this package wrote it, config.yaml).
+RUN_FILES = (CHECKPOINTS_DIR, LOGS_DIR, RESULTS_FILE, WEIGHTS_FILE, LABELS_FILE, CURVES_FILE)
 
 
 def is_model_card(path: Path) -> bool:
     """Whether ``path`` is a model card this package wrote (its metadata names the library)."""
+    return _starts_with(path, CARD_MARK, 4096)
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether ``path`` is a config.yaml a training run wrote: it starts with ``CONFIG_HEADER`` (or, written before
+    the header was, it has the run's labels.json beside it)."""
+    return _starts_with(path, CONFIG_HEADER, len(CONFIG_HEADER)) or (path.parent / LABELS_FILE).is_file()
+
+
+def _starts_with(path: Path, mark: str, size: int) -> bool:
     try:
         with open(path, errors="replace") as file:
-            return CARD_MARK in file.read(4096)
+            return mark in file.read(size)
     except OSError:
         return False
 
 
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run worth keeping: a finished one (results.json) or one with checkpoints."""
+    return (folder / RESULTS_FILE).exists() or (folder / CHECKPOINTS_DIR).exists()
+
+
 def earlier_run_files(folder: Path) -> list[Path]:
-    """The files of a run in ``folder``: ``RUN_FILES`` and its model card."""
+    """The files of a run in ``folder``: ``RUN_FILES``, its config.yaml and its model card."""
     files = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    files += [folder / CONFIG_FILE] if is_run_config(folder / CONFIG_FILE) else []
     return files + [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else files
+
+
+SHARED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LABELS_FILE, RESULTS_FILE, CURVES_FILE)  # and the card and the events
+
+
+def shared_files(folder: Path, project_name: str) -> list[Path]:
+    """What ``--push_to_hub`` uploads, and nothing else of ``folder``: the weights, config, labels, results,
+    curves, the model card (a README.md of the user's is not one) and the TensorBoard event files."""
+    files = [folder / name for name in SHARED_FILES if (folder / name).is_file()]
+    files += [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else []
+    events = folder / LOGS_DIR / project_name
+    return files + sorted(p for p in events.glob("**/events.out.tfevents.*") if p.is_file())
+
+
+def fix_for(err: OSError) -> str:
+    """What the user can do about a failed write."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on that disk"
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "make that folder writable"
+    return "check that folder"
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -62,9 +107,7 @@ def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(temporary, path)
     except OSError as err:
         temporary.unlink(missing_ok=True)
-        raise RunFault(
-            f"writing {path} failed ({err.strerror or err}); free space on that disk and run again"
-        ) from None
+        raise RunFault(f"writing {path} failed ({err.strerror or err}); {fix_for(err)}") from None
 
 
 class OutputDirLock:
@@ -120,26 +163,35 @@ class OutputDirLock:
 def set_aside_earlier_run(folder: Path) -> Path | None:
     """Move an earlier run's files (``earlier_run_files``) into ``.replaced-run/``, where they stay until the new
     run has written its first checkpoint (``discard_replaced_run``); returns that folder, or None if there was no
-    earlier run. Other files in the folder are left alone."""
-    earlier = earlier_run_files(folder)
+    earlier run. Other files in the folder are left alone.
+
+    ``check_earlier_run`` has made sure that when ``.replaced-run/`` is there already, what is beside it is only
+    what a run that never saved a checkpoint left (config.yaml, labels.json, logs/): that goes, the run set aside
+    stays."""
     aside = folder / REPLACED_RUN
-    if not earlier:
-        return aside if aside.exists() else None
-    if aside.exists():  # the earlier run is set aside already; what is here is a run that never saved a checkpoint
-        for path in earlier:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    if aside.exists():
+        for path in earlier_run_files(folder):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         return aside
+    if not holds_run(folder):
+        return None
     aside.mkdir()
-    for path in earlier:
+    for path in earlier_run_files(folder):
         path.rename(aside / path.name)
     return aside
 
 
 def discard_replaced_run(folder: Path) -> None:
-    shutil.rmtree(folder / REPLACED_RUN, ignore_errors=True)
+    """Delete the run set aside in ``.replaced-run/``: renamed first, so a kill half-way leaves no half run there."""
+    discarded = folder / f"{DISCARDED_PREFIX}{os.getpid()}"
+    (folder / REPLACED_RUN).rename(discarded)
+    shutil.rmtree(discarded, ignore_errors=True)
+
+
+def remove_discarded_runs(folder: Path) -> None:
+    """Finish deletions that a kill cut short (see ``discard_replaced_run``)."""
+    for discarded in folder.glob(f"{DISCARDED_PREFIX}*"):
+        shutil.rmtree(discarded, ignore_errors=True)
 
 
 def make_output_dir(config: TrainConfig) -> Path:
@@ -157,13 +209,40 @@ def make_output_dir(config: TrainConfig) -> Path:
     return output_dir
 
 
+def set_aside_note(folder: Path) -> str:
+    """Where the earlier run of ``folder`` went, for messages about a folder whose run is set aside."""
+    return (
+        f"its earlier run waits in {folder / REPLACED_RUN}, set aside by an --overwrite_output_dir run that stopped "
+        "before its first checkpoint"
+    )
+
+
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
-    """Refuse a folder that holds another run's results, unless told to resume or replace it."""
-    earlier = [p.name for p in (output_dir / "results.json", output_dir / "checkpoints") if p.exists()]
+    """Refuse a folder that holds another run's results, unless told to resume or replace it; a folder with a run
+    set aside, unless told to replace it; and a config.yaml that is the user's, not a run's."""
+    aside = output_dir / REPLACED_RUN
+    replacing = config.overwrite_output_dir and config.resume_from_checkpoint is None
+    if aside.exists() and holds_run(output_dir):
+        raise InputError(
+            f"'{output_dir}' holds a run, and {set_aside_note(output_dir)}; neither is deleted: move one of them to "
+            "another folder, or pick another --output_dir"
+        )
+    if aside.exists() and not replacing:
+        raise InputError(
+            f"'{output_dir}' holds no checkpoint: {set_aside_note(output_dir)}; restore it with 'mv {aside}/* "
+            f"{output_dir}/', replace it with --overwrite_output_dir, or pick another --output_dir"
+        )
+    earlier = [name for name in (RESULTS_FILE, CHECKPOINTS_DIR) if (output_dir / name).exists()]
     if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
         raise InputError(
             f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
             "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
+        )
+    config_file = output_dir / CONFIG_FILE
+    if config_file.exists() and not is_run_config(config_file):
+        raise InputError(
+            f"'{config_file}' is not a config a run wrote, and a run writes its effective config there; move it, or "
+            "pick another --output_dir"
         )
 
 
@@ -196,7 +275,7 @@ def export_weights(accelerator: Accelerator, model: nn.Module, output_dir: Path)
             save_atomic(output_dir / WEIGHTS_FILE, lambda temporary: (staging / WEIGHTS_FILE).rename(temporary))
     except OSError as err:
         raise RunFault(
-            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); free space and run again with "
+            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); {fix_for(err)}, then resume with "
             "--resume_from_checkpoint latest"
         ) from None
     finally:

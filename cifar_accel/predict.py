@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from PIL import Image
 
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import ArgumentParser, InputError, one_line, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
 from cifar_accel.inference import load_model
 
 IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
@@ -25,8 +25,12 @@ IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.predict", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("images", nargs="+", help="Image files, or folders whose images are all classified.")
-    parser.add_argument("--model", required=True, help="A run's output folder, a checkpoint folder or a .safetensors.")
+    parser.add_argument(
+        "images", nargs="+", type=non_empty, help="Image files, or folders whose images are all classified."
+    )
+    parser.add_argument(
+        "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
+    )
     parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
     parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: no.")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import resource
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,49 +15,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from cifar_accel.checkpoint import TrainerState
 from cifar_accel.precision import native_bf16
+from cifar_accel.state import EpochRecord, TrainerState
 
 logger = get_logger(__name__)
-
-
-def _metric(tag: str, log: str) -> Any:
-    """An epoch metric that is also a tracker scalar named ``tag`` and a part ``log`` of the epoch's log line."""
-    return field(metadata={"tag": tag, "log": log})
-
-
-@dataclass
-class EpochRecord:
-    """One epoch's numbers. The same record is an entry of ``history`` (results.json, trainer_state.json), the
-    tracker scalars of the epoch (x axis: epochs) and the epoch's log line, so a metric is added here once."""
-
-    epoch: int
-    train_loss: float = _metric("train/loss", "train loss {:.4f}")
-    train_accuracy: float = _metric("train/accuracy", "acc {:.4f}")
-    val_loss: float | None = _metric("val/loss", "| val loss {:.4f}")  # None: no validation (--val_ratio 0)
-    val_accuracy: float | None = _metric("val/accuracy", "acc {:.4f}")
-    val_samples: int
-    learning_rate: float = _metric("learning_rate", "| lr {:.2e}")
-    train_images: int
-    train_seconds: float
-    train_images_per_second: float = _metric("train/images_per_second", "| {:.0f} img/s")
-    epoch_seconds: float = _metric("epoch_seconds", "| {:.1f} s")
-    skipped_steps: int
-    loss_scale: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def _metrics(self) -> list[tuple[dataclasses.Field, float]]:
-        """The tracked metrics with their values, leaving out those the epoch has none of (no validation)."""
-        values = [(f, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata]
-        return [(f, value) for f, value in values if value is not None]
-
-    def tracker_values(self) -> dict[str, float]:
-        return {f.metadata["tag"]: value for f, value in self._metrics()}
-
-    def log_line(self) -> str:
-        return f"epoch {self.epoch}: " + " ".join(f.metadata["log"].format(value) for f, value in self._metrics())
 
 
 def hardware() -> dict[str, Any]:
@@ -131,7 +90,7 @@ def run_results(
     """The contents of results.json: the outcome (the weights of the best validation epoch, or of the last one
     without validation, and the test-time augmentation ``tta`` used), the precision in
     effect (``precision`` is the dtype report), speed and memory, the setting, and the per-epoch history."""
-    history = [EpochRecord(**record) for record in state.history]
+    history = state.history
     memory, memory_measure = peak_memory(accelerator.device)
     return {
         "validation": val_samples > 0,  # without it (--val_ratio 0) there is no best epoch
@@ -162,7 +121,7 @@ def run_results(
         "hardware": hardware(),
         "train_samples": train_samples,
         "val_samples": val_samples,
-        "history": state.history,
+        "history": [record.to_dict() for record in history],
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError
-from cifar_accel.outputs import write_atomic
+from cifar_accel.outputs import LOGS_DIR, write_atomic
+
+logger = get_logger(__name__)
 
 TRACKERS = [tracker.value for tracker in LoggerType if tracker is not LoggerType.ALL]
 # The keyword each tracker takes for the run's name (Accelerate gives them the project name as its own argument).
@@ -39,6 +43,67 @@ def requested_trackers(report_to: str) -> list[str] | str | None:
             raise InputError(f"--report_to {name}: its package is not installed; pip install {name}, or pick another "
                              "tracker")  # fmt: skip
     return names or None
+
+
+MLFLOW_STORE = "mlruns"  # in logs/: MLflow's file store, when MLFLOW_TRACKING_URI names none
+
+
+def check_trackers(trackers: list[str] | str | None, output_dir: Path) -> None:
+    """Before any work: every tracker asked for can start. For MLflow that is its store
+    (``check_mlflow_store``); the others need no more than their package."""
+    names = [t.value for t in get_available_trackers()] if trackers == "all" else trackers or []
+    if "mlflow" in names:
+        check_mlflow_store(output_dir)
+
+
+def check_mlflow_store(output_dir: Path) -> None:
+    """MLflow's store must be one it can open here. Without MLFLOW_TRACKING_URI, MLflow 3 would pick a sqlite
+    file in the working folder, which mlflow-skinny cannot open; the run picks a file store in
+    ``<output_dir>/logs/mlruns`` instead, beside TensorBoard's events. A URI of another kind is refused with
+    one line naming the setting to change: an unknown scheme, a database without the full ``mlflow`` package, a
+    file store without ``MLFLOW_ALLOW_FILE_STORE`` (MLflow 3 refuses those), or a folder that cannot be written."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from mlflow.utils.file_utils import local_file_uri_to_path
+    from mlflow.utils.uri import get_uri_scheme
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        uri = (output_dir / LOGS_DIR / MLFLOW_STORE).resolve().as_uri()
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        logger.info(f"MLflow: MLFLOW_TRACKING_URI is not set, so the run uses the file store {uri}")
+    unset = "or unset it for a file store in <output_dir>/logs/mlruns"
+    scheme = get_uri_scheme(uri)
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 - MLflow's registry says "unsupported" in several kinds
+        need = "the full mlflow package (pip install mlflow)" if scheme in DATABASE_SCHEMES else "a scheme MLflow knows"
+        raise InputError(
+            f"MLFLOW_TRACKING_URI={uri!r} needs {need}; use a file: folder or an http(s) server, {unset}"
+        ) from None
+    if scheme not in ("", "file"):
+        return  # a server: reached when the run starts
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise InputError(
+            f"MLFLOW_TRACKING_URI={uri!r} is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true;"
+            f" set that, or use an http(s) server"
+        )
+    store = Path(local_file_uri_to_path(uri))
+    existing = next(folder for folder in (store, *store.parents) if folder.exists())
+    if not existing.is_dir():
+        raise InputError(f"MLFLOW_TRACKING_URI={uri!r}: {existing} is a file; point it at a folder, {unset}")
+    probe = existing / f".write-test-{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise InputError(
+            f"MLFLOW_TRACKING_URI={uri!r}: {existing} is not writable ({err.strerror}); point it at a writable folder, "
+            f"{unset}"
+        ) from None
+
+
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def tracker_config(config: TrainConfig) -> dict[str, Any]:
@@ -104,7 +169,7 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
     """Start the trackers with the config. A new run records its MLflow run id; a resumed one continues that run
     (``ContinuedRun``) and TensorBoard purges what came after the checkpoint, so every tracker holds each step
     once. Only the main process has trackers."""
-    runs_file = output_dir / "logs" / TRACKER_RUNS_FILE
+    runs_file = output_dir / LOGS_DIR / TRACKER_RUNS_FILE
     continued = json.loads(runs_file.read_text()) if resumed_step and runs_file.is_file() else {}
     accelerator.init_trackers(
         config.project_name, init_kwargs=tracker_init_kwargs(config, output_dir, resumed_step, continued)
@@ -120,4 +185,4 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:
     """Where TensorBoard's event files go: Accelerate names the folder after the project."""
-    return output_dir / "logs" / project_name
+    return output_dir / LOGS_DIR / project_name

@@ -14,7 +14,6 @@ from typing import Any
 
 import datasets
 import evaluate
-import safetensors.torch
 import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -23,32 +22,38 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
-from cifar_accel.averaging import WeightAverage, load_ema
+from cifar_accel.averaging import WeightAverage
 from cifar_accel.card import write_model_card
 from cifar_accel.checkpoint import (
-    TrainerState,
+    adopt_best_checkpoint,
     check_resume,
     checkpoint_dir,
     config_fingerprint,
     load_checkpoint,
     remove_partial_checkpoints,
     resolve_checkpoint,
+    validated_weights,
 )
 from cifar_accel.config import TrainConfig, config_yaml, load_config
-from cifar_accel.data import LABELS_FILE, CifarData, Split, check_dataset_path, load_data, make_loader
+from cifar_accel.data import CifarData, Split, check_dataset_path, load_data, make_loader
 from cifar_accel.engine import LossFn, TrainTransform, Transform, evaluate_model, train_one_epoch
-from cifar_accel.errors import InputError, Stopped, run_cli
-from cifar_accel.hub import check_hub_token, push_to_hub
+from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
+from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.models import build_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
 from cifar_accel.outputs import (
-    WEIGHTS_FILE,
+    CONFIG_FILE,
+    LABELS_FILE,
+    LOGS_DIR,
+    RESULTS_FILE,
     check_earlier_run,
     exclusive_output_dir,
     export_weights,
+    fix_for,
     make_output_dir,
+    remove_discarded_runs,
     set_aside_earlier_run,
     write_atomic,
 )
@@ -60,9 +65,10 @@ from cifar_accel.pictures import (
     tensorboard_writer,
 )
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
+from cifar_accel.state import TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
-from cifar_accel.trackers import requested_trackers, start_trackers, tracker_config
+from cifar_accel.trackers import check_trackers, requested_trackers, start_trackers, tracker_config
 from cifar_accel.transforms import BatchTransform, TrainingTransform
 
 logger = get_logger(__name__)
@@ -88,7 +94,7 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         cpu=config.cpu,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         log_with=trackers,
-        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / LOGS_DIR)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
         step_scheduler_with_optimizer=False,  # the monitor steps the schedule: per epoch, or once per optimizer step
     )
@@ -256,12 +262,9 @@ def finish_run(run: Run) -> dict[str, Any]:
     accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
     if state.epoch == 0:
         raise InputError("no epoch was trained; raise --num_train_epochs")
-    if state.best_checkpoint is not None:
-        best = checkpoint_dir(output_dir) / state.best_checkpoint
-        if run.ema is None:
-            accelerator.unwrap_model(run.model).load_state_dict(safetensors.torch.load_file(best / WEIGHTS_FILE))
-        else:
-            load_ema(run.ema, best)
+    if state.best_checkpoint is not None:  # the model's weights, or their average, as validated
+        best = validated_weights(checkpoint_dir(output_dir) / state.best_checkpoint)
+        (run.ema.module if run.ema else accelerator.unwrap_model(run.model)).load_state_dict(best)
     test_stats = evaluate_model(accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric)
     if run.config.tta != "none":  # the accuracy without it is reported too
         plain = test_stats
@@ -271,17 +274,19 @@ def finish_run(run: Run) -> dict[str, Any]:
         test_stats["accuracy_no_tta"] = plain["accuracy"]
     test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}
     accelerator.log(test_scalars, step=state.global_step)
-    export_weights(accelerator, run.eval_model, output_dir)
-
     results = run_results(
         accelerator, state, test_stats, run.config.tta, run.precision,
         stopped_early=state.should_stop_early(run.config.early_stopping_patience),
         train_samples=len(run.data.train), val_samples=len(run.data.val),
         global_batch_size=run.global_batch_size, learning_rate=run.learning_rate,
     )  # fmt: skip
-    if accelerator.is_main_process:
-        write_atomic(output_dir / "results.json", json.dumps(results, indent=2))
-        write_model_card(run.config, results, output_dir)
+    try:
+        export_weights(accelerator, run.eval_model, output_dir)
+        if accelerator.is_main_process:
+            write_atomic(output_dir / RESULTS_FILE, json.dumps(results, indent=2))
+            write_model_card(run.config, results, output_dir)
+    except RunFault as err:  # the checkpoints hold the finished run: its resume tests and exports it again
+        raise RunFault(f"{err}, then resume with --resume_from_checkpoint latest to test and export again") from None
     log_final_pictures(run, test_stats, results)
     tested = (
         f"best validation {results['best_val_accuracy']:.4f} at epoch {results['best_epoch']}"
@@ -333,9 +338,13 @@ def open_run_outputs(run: Run) -> Path | None:
             replaced = set_aside_earlier_run(output_dir)
             if replaced is not None:
                 logger.info(f"--overwrite_output_dir: the earlier run waits in {replaced} until the first checkpoint")
+        remove_discarded_runs(output_dir)
         remove_partial_checkpoints(output_dir)
-        write_atomic(output_dir / "config.yaml", config_yaml(config))
+        if run.last_checkpoint is not None:
+            adopt_best_checkpoint(run.last_checkpoint, run.state, output_dir)
+        write_atomic(output_dir / CONFIG_FILE, config_yaml(config))
         write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
+        (output_dir / LOGS_DIR).mkdir(exist_ok=True)
     accelerator.wait_for_everyone()
     start_trackers(accelerator, config, output_dir, run.state.global_step)
     log_augmented_batch(run)
@@ -355,7 +364,8 @@ def run_training(
     """
     with StopRequest() as stop:
         trackers = requested_trackers(config.report_to)
-        check_hub_token(config)
+        check_trackers(trackers, Path(config.output_dir))
+        check_hub_settings(config, Path(config.output_dir))
         check_dataset_path(config.dataset_name)
         output_dir = make_output_dir(config)
         accelerator = build_accelerator(config, output_dir, trackers)
@@ -367,10 +377,17 @@ def run_training(
                 accelerator, config, run.state, run.optimizer, run.scheduler, output_dir, stop, run.last_checkpoint,
                 replaced, run.ema, accelerator.unwrap_model(run.model),
             )  # fmt: skip
-            train_epochs(run, monitor)
-            results = finish_run(run)
-            stopping = stop.requested(accelerator)
-            accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
+            try:
+                train_epochs(run, monitor)
+                results = finish_run(run)
+                stopping = stop.requested(accelerator)
+                accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
+            except OSError as err:  # a write of the trackers: TensorBoard's writer thread fails without a file name
+                raise RunFault(
+                    f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
+                    f"({err.strerror or err}); {fix_for(err)}, then "
+                    + ("resume with --resume_from_checkpoint latest" if monitor.last_checkpoint else "run again")
+                ) from None
             if config.push_to_hub and accelerator.is_main_process and not stopping:
                 logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
             if stopping:

@@ -4,10 +4,21 @@ is lost; the token is written nowhere. The Hub itself is unreachable here, so th
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from accelerate import PartialState
 
 from cifar_accel.config import config_yaml, load_config
+from cifar_accel.hub import push_to_hub
+from cifar_accel.outputs import shared_files
 
-from conftest import read_results, run_cli, tiny_args
+from conftest import read_results, run_cli, tiny_args, train_in_process
+
+# What a run folder shares on the Hub, and nothing else (the README names these).
+SHARED = ["model.safetensors", "config.yaml", "labels.json", "results.json", "curves.png", "README.md"]
 
 
 def test_a_push_without_a_network_fails_after_everything_is_saved_locally(tiny_dataset, cli_env, tmp_path):
@@ -18,7 +29,8 @@ def test_a_push_without_a_network_fails_after_everything_is_saved_locally(tiny_d
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: pushing to the Hub as 'someone/tiny' failed (")
-    assert f"the run is saved in full in {out}; push it later with: hf upload someone/tiny {out} --exclude" in line
+    include = " ".join(f"--include {name}" for name in SHARED)
+    assert f"the run is saved in full in {out}; push it later with: hf upload someone/tiny {out} {include}" in line
     assert read_results(out)["epochs_completed"] == 1
     for name in ("model.safetensors", "README.md", "curves.png", "config.yaml", "labels.json"):
         assert (out / name).is_file(), name
@@ -41,3 +53,60 @@ def test_the_token_is_not_in_the_effective_config():
     config, _ = load_config(["--hub_token", "hf_secret2", "--push_to_hub"])
     assert config.hub_token == "hf_secret2"  # used for the upload
     assert "hf_secret2" not in config_yaml(config) and "hf_secret2" not in json.dumps(config.to_dict())
+
+
+@pytest.fixture(scope="module")
+def run_with_private_files(tiny_dataset, tmp_path_factory) -> Path:
+    """A finished run in a project folder that holds the user's own files too (``--output_dir .``)."""
+    out = tmp_path_factory.mktemp("project")
+    (out / ".env").write_text("HF_TOKEN=hf_private\n")
+    (out / "notes.md").write_text("my notes")
+    assert train_in_process(tiny_args(tiny_dataset, out, "--overwrite_output_dir")) == 0
+    (out / "eval_test").mkdir()
+    (out / "eval_test" / "metrics.json").write_text("{}")
+    (out / "logs" / "mine.txt").write_text("not a TensorBoard file")
+    return out
+
+
+def test_only_the_runs_own_files_are_pushed_and_the_log_lists_them(run_with_private_files, monkeypatch, caplog):
+    """The upload (``HfApi.create_commit``, the network) is replaced by a recorder: what matters here is which
+    files the commit would carry."""
+    out = run_with_private_files
+    commits = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: huggingface_hub.RepoUrl(
+        f"https://huggingface.co/{repo}"))  # fmt: skip
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(
+        (repo_id, [(op.path_in_repo, op.path_or_fileobj) for op in operations])))  # fmt: skip
+    config, _ = load_config(tiny_args(Path("unused"), out, "--push_to_hub", "--hub_model_id", "someone/tiny",
+                                      "--hub_token", "hf_x"))  # fmt: skip
+    caplog.set_level(logging.INFO)
+    PartialState(cpu=True)  # as in the training process, which pushes at its end
+    assert push_to_hub(config, out) == "someone/tiny"
+    ((repo_id, files),) = commits
+    logs = out / "logs" / "cifar_accel"
+    events = {p.relative_to(out).as_posix() for p in logs.rglob("events.out.tfevents.*")}
+    assert len(events) >= 2  # the scalars, and the HParams panel's runs (TensorBoard reads nothing else)
+    names = [name for name, _ in files]
+    assert names[: len(SHARED)] == SHARED and set(names[len(SHARED) :]) == events
+    assert len(names) == len(SHARED) + len(events)
+    assert all(Path(path) == out / name for name, path in files)
+    assert f"pushing {len(names)} files to the Hub as 'someone/tiny': model.safetensors, " in caplog.text
+    assert [p.relative_to(out).as_posix() for p in shared_files(out, "cifar_accel")] == names
+
+
+@pytest.mark.parametrize(
+    ("flags", "folder", "message"),
+    [
+        (["--hub_model_id", "someone/tiny/extra"], "run", "--hub_model_id is not a Hub repository id (Repo id must be"),
+        (["--hub_model_id", "bad name"], "run", "--hub_model_id is not a Hub repository id"),
+        ([], "my run", "the output folder's name (the default id), 'my run', is not a Hub repository id"),
+    ],
+)
+def test_a_hub_id_the_hub_would_refuse_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path, flags, folder,
+                                                                  message):  # fmt: skip
+    out = tmp_path / folder
+    proc = run_cli([*tiny_args(tiny_dataset, out, "--push_to_hub", "--hub_token", "hf_x"), *flags], cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}") and "pass --hub_model_id 'name' or 'user/name'" in line
+    assert not out.exists()

@@ -21,14 +21,17 @@ import datasets
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from cifar_accel import compare, evaluate
-from cifar_accel.checkpoint import STATE_FILE, TrainerState, check_checkpoint_files, complete_checkpoints
+from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import InputError, RunFault, run_cli
+from cifar_accel.inference import load_model
 from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.outputs import REPLACED_RUN, OutputDirLock
+from cifar_accel.state import TrainerState
 
 from conftest import (
     CLASS_NAMES,
@@ -115,6 +118,70 @@ def test_overwrite_replaces_the_earlier_run_only_once_the_new_one_has_a_checkpoi
     assert (earlier_run / "notes.txt").read_text() == "mine"
 
 
+def test_a_chain_of_overwrites_never_deletes_a_finished_run(earlier_run, tiny_dataset, train_here, capsys):
+    """A finished; B (--overwrite_output_dir) stops before its first checkpoint, so A waits in .replaced-run/.
+    A plain run C is then refused, saying where A went, and so are a resume and evaluate; the folder stays as B
+    left it. D (--overwrite_output_dir) replaces A at its first checkpoint and finishes."""
+    a_run = snapshot(earlier_run)
+    overwrite = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")
+    assert train_here(overwrite, monitor_type=FaultAtFirstStep).returncode == 1
+    left_by_b = snapshot(earlier_run)
+    assert snapshot(earlier_run / REPLACED_RUN) == {k: v for k, v in a_run.items() if k != "notes.txt"}
+
+    aside = f"its earlier run waits in {earlier_run / REPLACED_RUN}, set aside by an --overwrite_output_dir run"
+    for args in (run_args(tiny_dataset, earlier_run), [*run_args(tiny_dataset, earlier_run), "--resume", "latest"]):
+        proc = train_here(args)
+        assert proc.returncode == 2
+        line = one_error_line(proc)
+        assert aside in line and f"restore it with 'mv {earlier_run / REPLACED_RUN}/* {earlier_run}/'" in line
+        assert snapshot(earlier_run) == left_by_b
+    capsys.readouterr()
+    assert run_cli(evaluate.main, ["--model", str(earlier_run)]) == 2
+    assert aside in capsys.readouterr().err
+
+    proc = train_here(overwrite)
+    assert proc.returncode == 0, proc.stderr
+    assert not (earlier_run / REPLACED_RUN).exists()
+    assert read_results(earlier_run)["epochs_completed"] == 2 and (earlier_run / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_beside_a_set_aside_run_is_never_deleted(earlier_run, finished_run, tiny_dataset, train_here):
+    """A folder that holds a run and, in .replaced-run/, another (as a kill between a checkpoint and the deletion
+    of the set-aside run once left it) is refused even with --overwrite_output_dir: both runs stay whole."""
+    shutil.copytree(finished_run, earlier_run / REPLACED_RUN)
+    before = snapshot(earlier_run)
+    proc = train_here(run_args(tiny_dataset, earlier_run, "--overwrite_output_dir"))
+    assert proc.returncode == 2
+    assert "holds a run, and its earlier run waits in" in one_error_line(proc) and "neither is deleted" in proc.stderr
+    assert snapshot(earlier_run) == before
+
+
+def test_overwrite_into_a_folder_without_a_run_moves_nothing_of_the_users(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "project"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "mine.log").write_text("a log of the user's")
+    (out / ".env").write_text("SECRET=1")
+    proc = train_here(tiny_args(tiny_dataset, out, "--overwrite_output_dir"))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "logs" / "mine.log").read_text() == "a log of the user's" and (out / ".env").is_file()
+    assert not (out / REPLACED_RUN).exists()
+
+
+def test_a_config_yaml_of_the_users_in_the_output_folder_is_refused_and_kept(tiny_dataset, train_here, tmp_path):
+    """`--config config.yaml --output_dir .` would have replaced the user's own config with the effective one."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.yaml").write_text("learning_rate: 0.01\n")
+    proc = train_here(tiny_args(tiny_dataset, out, "--config", str(out / "config.yaml")))
+    assert proc.returncode == 2
+    assert one_error_line(proc) == (
+        f"error: '{out / 'config.yaml'}' is not a config a run wrote, and a run writes its effective config there; "
+        "move it, or pick another --output_dir"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    assert (out / "config.yaml").read_text() == "learning_rate: 0.01\n"
+
+
 # 2. One run per output folder.
 
 
@@ -163,19 +230,30 @@ def edit_state(checkpoint: Path, **changes: object) -> None:
     (checkpoint / STATE_FILE).write_text(json.dumps(state))
 
 
+RECORD = {"epoch": 1, "train_loss": 1.5, "train_accuracy": 0.4, "val_loss": 1.4, "val_accuracy": 0.5, "val_samples": 33,
+          "learning_rate": 0.001, "train_images": 288, "train_seconds": 2.0, "train_images_per_second": 144.0,
+          "epoch_seconds": 2.5, "skipped_steps": 0, "loss_scale": None}  # fmt: skip
 STATE_CASES = [
-    ({"global_step": -5}, "'global_step' must be a whole number from 0"),
-    ({"global_step": "18"}, "'global_step' must be a whole number from 0"),
+    ({"global_step": -5}, "'global_step' must be >= 0, not -5"),
+    ({"global_step": "18"}, "'global_step' must be int, not '18'"),
     ({"global_step": 17}, "'global_step' is 17 but the folder is named for step 18"),
-    ({"epoch": 10**12}, "'epoch' must be a whole number from 0 to 1000000000"),
-    ({"num_processes": 0}, "'num_processes' must be a whole number from 1"),
-    ({"best_checkpoint": None}, "'best_checkpoint' must name a checkpoint folder, not 'None'"),
+    ({"epoch": 10**12}, "'epoch' must be <= 1000000000, not 1000000000000"),
+    ({"num_processes": 0}, "'num_processes' must be >= 1, not 0"),
+    ({"best_checkpoint": None}, "its best checkpoint None does not exist next to it"),
     ({"best_checkpoint": "step_00000099"}, "its best checkpoint 'step_00000099' does not exist"),
+    ({"best_checkpoint": "../../x"}, "its best checkpoint '../../x' does not exist"),
     ({"best_epoch": 3}, "'best_epoch' must be an epoch from 1 to 2"),
-    ({"epoch_totals": [1, 2]}, "'epoch_totals' must hold [loss sum, correct, images] for each of the 1 processes"),
-    ({"epoch_totals": [[1, 2]]}, "'epoch_totals' must hold a list of 3 numbers for each process"),
+    ({"epoch_totals": [1, 2]}, "'epoch_totals[0]' must be a list, not 1"),
+    ({"epoch_totals": [[1, 2]]}, "'epoch_totals' must hold [loss sum, correct, images] for each of 1 processes"),
+    ({"epoch_totals": [[1, 2, -3]]}, "'epoch_totals[0][2]' must be >= 0, not -3"),
     ({"history": []}, "'history' must be a list of 2 epoch records"),
-    ({"surprise": 1}, "unexpected or missing keys: surprise"),
+    ({"history": [{"epoch": 1}, {"epoch": 2}]}, "missing keys in history[0]: epoch_seconds, learning_rate"),
+    ({"history": [RECORD, {**RECORD, "epoch": 2, "val_accuracy": 1.5}]}, "'history[1].val_accuracy' must be <= 1"),
+    ({"history": [RECORD, {**RECORD, "epoch": 2, "train_images": 2.5}]}, "'history[1].train_images' must be int"),
+    ({"history": [RECORD, {**RECORD, "epoch": 2, "surprise": 1}]}, "unexpected keys in history[1]: surprise"),
+    ({"history": [RECORD, {**RECORD, "epoch": 3}]}, "'history' must be a list of 2 epoch records, of epochs 1 to 2"),
+    ({"history": [RECORD, {**RECORD, "epoch": 2, "train_loss": float("nan")}]}, "'history[1].train_loss' must be a"),
+    ({"surprise": 1}, "unexpected keys in the file: surprise"),
 ]
 
 
@@ -233,6 +311,44 @@ def test_a_checkpoint_file_whose_unpickling_would_run_code_is_refused(earlier_ru
     assert proc.returncode == 2
     assert f"{name} cannot be read as plain tensors and numbers (UnpicklingError" in one_error_line(proc)
     assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def ema_run(tiny_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ema") / "run"
+    assert train_in_process(run_args(tiny_dataset, out, "--ema_decay", "0.9")) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("nan", "ema.safetensors holds non-finite values (NaN or infinity); it is damaged"),
+        ("negative_count", "ema.safetensors counts -3 updates of the weight average, but the checkpoint is of "
+                           "optimizer step 16"),
+        ("nan_weights", "model.safetensors holds non-finite values"),
+    ],
+)  # fmt: skip
+def test_damaged_values_in_a_checkpoint_are_refused_by_resume_and_load_model(ema_run, tiny_dataset, train_here,
+                                                                            tmp_path, damage, message):  # fmt: skip
+    run = shutil.copytree(ema_run, tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step_00000016"
+    name = "model.safetensors" if damage == "nan_weights" else "ema.safetensors"
+    tensors = load_file(checkpoint / name)
+    if damage == "negative_count":
+        tensors["n_averaged"] = torch.tensor(-3)
+    else:
+        tensors = {k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(tensors, checkpoint / name)
+    before = snapshot(run)
+    proc = train_here([*run_args(tiny_dataset, run, "--ema_decay", "0.9", "--num_train_epochs", "3"), "--resume",
+                       str(checkpoint)])  # fmt: skip
+    assert proc.returncode == 2
+    assert message in one_error_line(proc)
+    assert snapshot(run) == before
+    if damage != "nan_weights":  # load_model takes the average of a checkpoint, so that is what it checks
+        with pytest.raises(InputError, match=message.split(";")[0].replace("(", r"\(").replace(")", r"\)")):
+            load_model(checkpoint)
 
 
 def test_the_grad_scaler_file_is_required_and_read_safely(finished_run, tmp_path):
@@ -311,20 +427,30 @@ def test_config_files_that_are_not_regular_files_are_refused_without_reading(cli
     [
         ("learning_rate: 0.1\n" + "# padding\n" * 200_000, "more than the 1048576 a config may have"),
         ("seed: " + "[" * 50_000 + "]" * 50_000 + "\n", "nests deeper than 8 levels"),
+        ("a0: &a0 x\n" + "".join(f"a{i}: *a0\n" for i in range(1, 120)), "uses more than 100 YAML aliases"),
         (
             "a0: &a0 [x, x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 60)),
-            "uses more than 100 YAML aliases",
+            "holds more than 10000 values once its YAML aliases are expanded",
+        ),  # fmt: skip
+        (  # 80 aliases, 3 levels deep, under 300 bytes: 10^8 elements, whose repr() alone would exhaust memory
+            "seed: [&a [x, x, x, x, x, x, x, x, x, x], "
+            + ", ".join(f"&{b} [{', '.join([f'*{a}'] * 10)}]" for a, b in zip("abcdefg", "bcdefgh", strict=True))
+            + "]\n",
+            "holds more than 10000 values once its YAML aliases are expanded",
         ),  # fmt: skip
         ("learning_rate: " + "9" * 300_000 + "x\n", "'learning_rate' must be float, not str ('99999"),
+        ("seed: " + "[" * 7 + "1, " * 2000 + "]" * 7 + "\n", "'seed' must be int, not list ([[[...]]])"),
     ],
-    ids=["too-large", "too-deep", "alias-bomb", "huge-value"],
+    ids=["too-large", "too-deep", "too-many-aliases", "alias-bomb", "small-alias-bomb", "huge-value", "big-list"],
 )
 def test_config_files_have_size_depth_and_alias_limits_and_errors_stay_short(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
+    started = time.perf_counter()
     with pytest.raises(InputError) as err:
         read_config_file(path)
     assert message in str(err.value) and len(str(err.value)) < 400
+    assert time.perf_counter() - started < 30  # bounded work: the bombs took minutes and gigabytes before
 
 
 # 6. Data errors name the row.

@@ -60,8 +60,9 @@ class FastNet(nn.Module):
     def init_from_data(self, images: torch.Tensor, eps: float = 5e-4) -> None:
         """Whitening filters from the 2x2 patches of ``images`` (normalised, (N, 3, H, W)): the eigenvectors of
         the patch covariance scaled by 1/sqrt(eigenvalue + eps), each with its negative (so that GELU keeps
-        both signs). The covariance of whitened patches is then close to the identity."""
-        patches = patches_of(images.float(), WHITEN_KERNEL)
+        both signs). The covariance of whitened patches is then close to the identity. Computed in float32, or
+        in float64 for float64 images."""
+        patches = patches_of(images.to(torch.promote_types(images.dtype, torch.float32)), WHITEN_KERNEL)
         covariance = patches.T @ patches / len(patches)
         eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
         filters = (eigenvectors.T / (eigenvalues + eps).sqrt().unsqueeze(1)).view(-1, 3, WHITEN_KERNEL, WHITEN_KERNEL)

@@ -1,0 +1,147 @@
+"""Every entry point on the outputs of every run shape: evaluate, predict, compare and load_model, on a run with
+validation, without it (the fast and resnet18 presets: TTA, Muon, EMA), with a weight average, and on a run
+forked from another folder's checkpoint. Each must agree with what the run itself measured and exported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cifar_accel import compare, evaluate, load_model, predict
+from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
+from cifar_accel.errors import run_cli
+
+from conftest import make_images, read_results, tiny_args, train_in_process
+
+# Each shape: the flags of a short run on the tiny dataset (two epochs, a checkpoint every 4 of its 9 or so
+# optimizer steps). The presets keep what makes them what they are (no validation, TTA, Muon or EMA, per-step
+# schedules) at a batch the tiny dataset can fill.
+SHAPES = {
+    "default": [],
+    "default_ema": ["--ema_decay", "0.9"],
+    "fast": ["--config", "fast", "--per_device_train_batch_size", "64", "--per_device_eval_batch_size", "50"],
+    "resnet18": ["--config", "resnet18", "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "50",
+                 "--max_train_samples", "96"],
+}  # fmt: skip
+
+
+def shape_args(dataset: Path, out: Path, shape: str) -> list[str]:
+    """The argv ``compare`` builds for precision 'no' and seed 42, so that it reuses the finished run."""
+    return [*tiny_args(dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4",
+                       "--checkpoints_total_limit", "10"), *SHAPES[shape],
+            "--mixed_precision", "no", "--seed", "42"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
+    """A finished run of each shape, in ``<compare folder>/no_seed42``, and one forked from the EMA run's
+    checkpoint of epoch 1 into a new folder, trained to epoch 3."""
+    root = tmp_path_factory.mktemp("shapes")
+    folders = {}
+    for shape in SHAPES:
+        out = root / shape / "no_seed42"
+        assert train_in_process(shape_args(tiny_dataset, out, shape)) == 0, shape
+        folders[shape] = out
+    source = folders["default_ema"]
+    epoch_one = next(c for c in complete_checkpoints(source) if read_trainer_state(c).epoch == 1)
+    assert read_trainer_state(epoch_one).step_in_epoch == 0  # saved at the end of epoch 1
+    forked = root / "forked"
+    args = tiny_args(tiny_dataset, forked, "--num_train_epochs", "3", "--ema_decay", "0.9", "--resume", str(epoch_one))
+    assert train_in_process(args) == 0
+    folders["forked"] = forked
+    return folders
+
+
+def run_entry_point(module, argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = run_cli(module.main, argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "forked"])
+def test_evaluate_reproduces_the_runs_test_accuracy_from_the_folder_and_from_its_best_checkpoint(runs, shape, capsys):
+    run, results = runs[shape], read_results(runs[shape])
+    tta = results["tta"]
+    models = [run]
+    if results["validation"]:  # the checkpoint the run tested: its weights, or their average
+        models.append(run / "checkpoints" / read_trainer_state(complete_checkpoints(run)[-1]).best_checkpoint)
+    for model in models:
+        for flags, expected in ((["--tta", tta], results["test_accuracy"]), ([], results["test_accuracy_no_tta"])):
+            out = model / f"eval_{tta}_{bool(flags)}"
+            code, _, err = run_entry_point(evaluate, ["--model", str(model), "--output_dir", str(out), *flags], capsys)
+            assert code == 0, err
+            metrics = json.loads((out / "metrics.json").read_text())
+            assert metrics["accuracy"] == expected, (model, flags)
+            assert metrics["samples"] == results["test_samples"] == 83
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "forked"])
+def test_load_model_and_predict_use_the_exported_weights(runs, shape, capsys, tmp_path):
+    run = runs[shape]
+    exported = load_file(run / "model.safetensors")
+    trained = load_model(run)
+    assert trained.model.state_dict().keys() == exported.keys()
+    assert all(torch.equal(trained.model.state_dict()[k], exported[k]) for k in exported)
+    if read_results(run)["validation"]:
+        best = read_trainer_state(complete_checkpoints(run)[-1]).best_checkpoint
+        from_checkpoint = load_model(run / "checkpoints" / best).model.state_dict()
+        assert all(torch.equal(from_checkpoint[k], exported[k]) for k in exported), "the checkpoint's validated weights"
+
+    images, _ = make_images(4, seed=5)
+    for index, image in enumerate(images):
+        image.save(tmp_path / f"{index}.png")
+    code, out, err = run_entry_point(predict, ["--model", str(run), "--format", "jsonl", "--top_k", "1",
+                                               str(tmp_path)], capsys)  # fmt: skip
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    expected = trained.predict(images, top_k=1)
+    assert [(r["top_k"][0]["class"], r["top_k"][0]["probability"]) for r in rows] == [
+        (name, pytest.approx(p, abs=1e-6)) for ((name, p),) in expected
+    ]
+
+
+def test_the_ema_checkpoint_gives_the_average_not_the_raw_weights(runs):
+    """The raw weights of a checkpoint differ from its average; every consumer gets the average."""
+    run = runs["default_ema"]
+    best = run / "checkpoints" / read_trainer_state(complete_checkpoints(run)[-1]).best_checkpoint
+    raw = load_file(best / "model.safetensors")
+    loaded = load_model(best).model.state_dict()
+    assert any(not torch.equal(raw[k], loaded[k]) for k in raw if raw[k].is_floating_point())
+
+
+def test_a_forked_run_finishes_and_its_own_checkpoints_resume(runs, tiny_dataset, capsys):
+    forked = runs["forked"]
+    results = read_results(forked)
+    assert results["epochs_completed"] == 3
+    state = read_trainer_state(complete_checkpoints(forked)[-1])
+    assert (forked / "checkpoints" / state.best_checkpoint).is_dir()  # the best one came along
+    args = tiny_args(tiny_dataset, forked, "--num_train_epochs", "4", "--ema_decay", "0.9", "--resume", "latest")
+    assert train_in_process(args) == 0
+    assert read_results(forked)["epochs_completed"] == 4
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
+    """compare reuses the finished run of its config and writes a report, with or without validation."""
+    folder = runs[shape].parent
+    finished = (runs[shape] / "results.json").read_bytes()
+    train_flags = shape_args(tiny_dataset, runs[shape], shape)[:-4]  # less the precision and seed
+    code, out, err = run_entry_point(compare, [*train_flags, "--precisions", "no", "--seeds", "42", "--output_dir",
+                                               str(folder)], capsys)  # fmt: skip
+    assert code == 0, err
+    assert (runs[shape] / "results.json").read_bytes() == finished  # reused, not trained again
+    report = json.loads((folder / "report.json").read_text())
+    (summary,) = report["precisions"]
+    results = read_results(runs[shape])
+    assert summary["test_accuracy"]["mean"] == results["test_accuracy"]
+    if results["validation"]:
+        assert summary["best_val_accuracy"]["mean"] == results["best_val_accuracy"]
+    else:
+        assert summary["best_val_accuracy"] is None and summary["val_accuracy_per_epoch"] is None
+        row = next(line for line in (folder / "report.md").read_text().splitlines() if line.startswith("| no |"))
+        assert f"| - | {results['test_accuracy']:.4f} |" in row
