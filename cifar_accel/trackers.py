@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.logging import get_logger
 from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
@@ -17,7 +17,7 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError
 from cifar_accel.outputs import LOGS_DIR, write_atomic
 
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)  # not Accelerate's: the trackers are checked before the Accelerator exists
 
 TRACKERS = [tracker.value for tracker in LoggerType if tracker is not LoggerType.ALL]
 # The keyword each tracker takes for the run's name (Accelerate gives them the project name as its own argument).

@@ -91,6 +91,11 @@ CASES = [
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
     ("resume-missing", ["--dataset_name", "{data}", "--resume_from_checkpoint", "/nonexistent/ckpt"], 2,
      ["does not exist"]),
+    ("config-empty", ["--config", ""], 2, ["--config is empty", "leave --config out for the default recipe"]),
+    ("nesterov-from-preset", ["--config", "fast", "--optimizer", "adam"], 2,
+     ["Nesterov momentum ('nesterov' in the fast preset)", "but --optimizer is adam", "add --no-nesterov"]),
+    ("warmup-without-per-step-schedule", ["--warmup_ratio", "0.1"], 2,
+     ["a warm-up (--warmup_ratio) needs a per-step schedule", "'lr_scheduler_type' (the default) is 'step'"]),
 ]  # fmt: skip
 MAKERS = {
     "unknown-key": unknown_key_yaml,
@@ -179,3 +184,24 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli
     )
     assert resumed.returncode == 0, resumed.stderr
     assert read_results(kept)["epochs_completed"] == 2
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder_and_the_fix(tiny_dataset, cli_env, tmp_path):
+    """TensorBoard writes its events from a thread of its own; on a full disk that thread's traceback went to
+    stderr, and the error line named neither a file nor a fix. logs/ is a 12 KiB tmpfs here; the rest has room."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--logging_steps", "1")
+    script = (f"mount -t tmpfs -o size=12k tmpfs {out / 'logs'} || exit 99; "
+              f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2')  # fmt: skip
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if "exit=" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
+    error, status = proc.stderr.strip().splitlines()
+    assert status == "exit=1"
+    assert error == (f"error: writing the tracker files in {out / 'logs'} failed (No space left on device); free "
+                     "space on that disk, then run again")  # fmt: skip
+    assert "background thread" in proc.stdout and "No space left on device" in proc.stdout

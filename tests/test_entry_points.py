@@ -5,8 +5,10 @@ forked from another folder's checkpoint. Each must agree with what the run itsel
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -145,3 +147,28 @@ def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
         assert summary["best_val_accuracy"] is None and summary["val_accuracy_per_epoch"] is None
         row = next(line for line in (folder / "report.md").read_text().splitlines() if line.startswith("| no |"))
         assert f"| - | {results['test_accuracy']:.4f} |" in row
+
+
+@pytest.mark.parametrize(
+    ("images", "kwargs", "message"),
+    [
+        ([], {}, "got an empty list"),
+        (np.zeros((2, 3, 32, 32), dtype=np.uint8), {}, "got ndarray"),
+        ([torch.zeros(3, 32, 32, dtype=torch.uint8)], {}, "got a list of Tensor"),
+        (torch.zeros(0, 3, 32, 32, dtype=torch.uint8), {}, "got an empty tensor"),
+        (torch.zeros(2, 3, 32, 32), {}, "got torch.float32 of shape (2, 3, 32, 32)"),
+        (None, {}, "got NoneType"),
+        ("cat.png", {}, "got str"),
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"top_k": 0}, "top_k must be a whole number of at least 1"),
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": None}, "tta must be one of none, flip, flip_translate"),
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": "flips"}, "tta must be one of none, flip"),
+    ],
+    ids=["empty-list", "numpy", "list-of-tensors", "empty-tensor", "float", "none", "path", "top-k-0", "tta-none",
+         "tta-unknown"],
+)  # fmt: skip
+def test_the_python_api_names_the_expected_input_in_one_error(runs, images, kwargs, message):
+    trained = load_model(runs["default"])
+    with pytest.raises(ValueError, match="^" + re.escape("expected a non-empty list of PIL images, or a uint8 tensor")
+                       if message.startswith("got") else re.escape(message)) as err:  # fmt: skip
+        trained.predict(images, **kwargs)
+    assert message in str(err.value)

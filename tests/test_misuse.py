@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from cifar_accel import compare, evaluate
+from cifar_accel import compare, evaluate, predict
 from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
 from cifar_accel.data import to_rgb32
@@ -524,6 +524,27 @@ def test_predict_reads_only_regular_image_files_and_says_what_it_skipped(finishe
         "b.png": "not a regular file", "c.png": "not a regular file", "d.png": "not a regular file",
         "notes.txt": "not an image file name",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        (evaluate, ["--model", ""]),
+        (evaluate, ["--model", "{run}", "--dataset_name", ""]),
+        (evaluate, ["--model", "{run}", "--output_dir", " "]),
+        (predict, ["--model", "{run}", ""]),
+        (compare, ["--output_dir", ""]),
+    ],
+    ids=["evaluate-model", "evaluate-dataset", "evaluate-output", "predict-image", "compare-output"],
+)
+def test_an_empty_name_is_refused_not_read_as_the_default_or_the_current_folder(finished_run, capsys, module,
+                                                                                argv):  # fmt: skip
+    """An unset shell variable (``--model "$RUN"``) would otherwise evaluate the current folder or the run's own
+    dataset, or write a comparison into the current folder."""
+    capsys.readouterr()
+    assert run_cli(module.main, [a.format(run=finished_run) for a in argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: argument ") and "must not be empty" in line
 
 
 def test_exif_orientation_is_applied_and_reported(tmp_path):

@@ -125,3 +125,49 @@ def test_a_run_killed_and_resumed_continues_its_mlflow_run_holding_each_step_onc
     assert {m.step: pytest.approx(m.value) for m in client.get_metric_history(run.info.run_id, "step/loss")} == (
         tensorboard
     )
+
+
+@pytest.mark.parametrize("report_to", ["mlflow", "all"])
+def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_dataset, cli_env, tmp_path,
+                                                                           monkeypatch, report_to):  # fmt: skip
+    """MLflow 3 on its own would pick a sqlite file in the working folder, which mlflow-skinny (the package's
+    extra) cannot open, and refuse a file store without MLFLOW_ALLOW_FILE_STORE."""
+    env = {k: v for k, v in cli_env.items() if not k.startswith("MLFLOW_")}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "cifar_accel.train", *tiny_args(tiny_dataset, out, "--report_to",
+                          report_to)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    store = out / "logs" / "mlruns"
+    assert f"MLFLOW_TRACKING_URI is not set, so the run uses the file store {store.resolve().as_uri()}" in proc.stdout
+    assert not (tmp_path / "mlflow.db").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader of the store
+    client = MlflowClient(tracking_uri=store.as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("cifar_accel").experiment_id])
+    (accuracy,) = client.get_metric_history(run.info.run_id, "test/accuracy")
+    assert accuracy.value == pytest.approx(read_results(out)["test_accuracy"])
+    assert bool(list((out / "logs").rglob("events.out.tfevents.*"))) == (report_to == "all")
+
+
+@pytest.mark.parametrize(
+    ("uri", "allow", "message"),
+    [
+        ("foo://somewhere", True, "MLFLOW_TRACKING_URI='foo://somewhere' needs a scheme MLflow knows"),
+        ("sqlite:///{tmp}/mlflow.db", True, "needs the full mlflow package (pip install mlflow)"),
+        ("{tmp}/mlruns", False, "is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true"),
+        ("file://{tmp}/a_file/mlruns", True, "a_file is a file; point it at a folder"),
+    ],
+    ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file"],
+)
+def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path, uri, allow,
+                                                                     message):  # fmt: skip
+    (tmp_path / "a_file").write_text("not a folder")
+    env = {k: v for k, v in cli_env.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_TRACKING_URI"] = uri.format(tmp=tmp_path)
+    if allow:
+        env["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    out = tmp_path / "run"
+    proc = run_cli(tiny_args(tiny_dataset, out, "--report_to", "tensorboard,mlflow"), env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: MLFLOW_TRACKING_URI=") and message in line
+    assert not out.exists() and not (tmp_path / "mlflow.db").exists()

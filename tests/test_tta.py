@@ -38,6 +38,9 @@ def test_tta_is_the_mean_of_the_views_computed_by_hand():
         assert torch.equal(tta_logits(model, images, "none"), views["image"])
         torch.testing.assert_close(tta_logits(model, images, "flip"), by_hand_flip)
         torch.testing.assert_close(tta_logits(model, images, "flip_translate"), by_hand_translate)
+        for unknown in ("flips", None, ""):  # never quietly one of the others
+            with pytest.raises(ValueError, match="unknown test-time augmentation"):
+                tta_logits(model, images, unknown)
 
 
 def test_results_and_evaluate_say_which_tta_was_used(tiny_dataset, train_here, tmp_path, capsys):
