@@ -520,3 +520,39 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
 def config_yaml(config: TrainConfig) -> str:
     """The config as the YAML text that ``read_config_file`` reads back, under ``CONFIG_HEADER``."""
     return f"{CONFIG_HEADER}\n{yaml.safe_dump(config.to_dict(), sort_keys=False)}"
+
+
+def flag_reference() -> str:
+    """The flag reference, docs/flags.md: every flag of ``cifar_accel.train``, from the fields' own metadata
+    (``scripts/write_flag_reference.py`` writes it, and a test checks that it is current)."""
+
+    def cell(text: object) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "# Flags of `cifar_accel.train`",
+        "",
+        "Generated from the fields of `TrainConfig` in `cifar_accel/config.py` by `python "
+        "scripts/write_flag_reference.py`; a test fails when this page is out of date. Every flag is also a key "
+        "of a `--config` YAML file. Values come from the defaults, then `--config`, then flags. *Resume*: "
+        "whether `--resume_from_checkpoint` must keep the checkpoint's value (`match`) or may change it.",
+        "",
+        "| flag (aliases) | default | resume | what it does |",
+        "|---|---|---|---|",
+        f"| `--config` | | | A packaged preset ({', '.join(f'`{n}`' for n in preset_names())}) or a YAML file of "
+        "config values; flags override it. |",
+        "| `--debug` | | | Show tracebacks on errors. |",
+    ]
+    for name, f in FIELDS.items():
+        kind, choices, _ = _unwrap(_TYPES[name])
+        flag = f"`--{name}`" if kind is not bool else f"`--{name}`, `--no-{name}`"
+        aliases = f" ({', '.join(f'`{a}`' for a in f.metadata['aliases'])})" if f.metadata["aliases"] else ""
+        default = "" if f.default is None else f"`{f.default}`"
+        allowed = f" One of {', '.join(f'`{c}`' for c in choices)}." if choices else ""
+        symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+        if bounds := f.metadata["bounds"]:
+            allowed += f" Range: {', '.join(f'{symbols[b]} {limit}' for b, limit in bounds.items())}."
+        if pattern := f.metadata["pattern"]:
+            allowed += f" Must be {pattern[1]}."
+        lines.append(f"| {flag}{aliases} | {default} | {f.metadata['resume']} | {cell(f.metadata['help'])}{allowed} |")
+    return "\n".join(lines) + "\n"

@@ -130,8 +130,8 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
     assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
 
 
-def test_the_readmes_python_example_runs_and_agrees_with_the_model(trained_run, tmp_path, monkeypatch, capsys):
-    readme = (REPO / "README.md").read_text()
+def test_the_documented_python_example_runs_and_agrees_with_the_model(trained_run, tmp_path, monkeypatch, capsys):
+    readme = (REPO / "docs" / "evaluation.md").read_text()
     example = next(block for block in readme.split("```python\n")[1:] if "from cifar_accel import load_model" in block)
     example = example.split("```")[0]
     (tmp_path / "outputs").mkdir()
@@ -140,7 +140,7 @@ def test_the_readmes_python_example_runs_and_agrees_with_the_model(trained_run, 
     cat.save(tmp_path / "cat.png")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    exec(compile(example, "evaluation.md", "exec"), namespace)  # noqa: S102 - the documentation's own example
 
     class_names, top3 = capsys.readouterr().out.strip().splitlines()
     assert class_names == str(CLASS_NAMES)
@@ -153,5 +153,5 @@ def test_the_readmes_python_example_runs_and_agrees_with_the_model(trained_run, 
     assert namespace["probabilities"].shape == (4, 10)
     assert torch.allclose(namespace["probabilities"].sum(1), torch.ones(4))
     assert namespace["logits"].shape == (4, 10) and not classifier.model.training
-    with pytest.raises(ValueError, match=r"expected uint8 images of shape \(N, 3, 32, 32\), got torch.float32"):
+    with pytest.raises(ValueError, match=r"uint8 tensor of shape \(N, 3, 32, 32\) or \(3, 32, 32\), got torch.float32"):
         classifier.predict(torch.zeros(2, 3, 32, 32))

@@ -1,0 +1,13 @@
+"""Write docs/flags.md, the flag reference, from the config's field metadata.
+
+    python scripts/write_flag_reference.py
+"""
+
+from pathlib import Path
+
+from cifar_accel.config import flag_reference
+
+if __name__ == "__main__":
+    path = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
+    path.write_text(flag_reference())
+    print(f"wrote {path}")

@@ -1,0 +1,45 @@
+"""The documents stay true to the code: the flag reference is generated from the config and current, and every
+relative link in the README and docs/ reaches a file, and a heading where it names one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cifar_accel.config import flag_reference
+
+from conftest import REPO
+
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of ``page``: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_the_flag_reference_is_generated_from_the_config_and_current():
+    assert (REPO / "docs" / "flags.md").read_text() == flag_reference(), "run: python scripts/write_flag_reference.py"
+    for flag in ("--lr_gamma", "--muon_momentum", "--hub_private_repo", "--batch-size"):  # every flag, aliases too
+        assert f"`{flag}`" in flag_reference()
+
+
+@pytest.mark.parametrize("page", DOCUMENTS, ids=[p.name for p in DOCUMENTS])
+def test_every_relative_link_resolves(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    links = [link for link in LINK.findall(text) if not re.match(r"[a-z]+:", link)]
+    for link in links:
+        target, _, anchor = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        assert path.exists(), f"{page.name}: {link}"
+        if anchor:
+            assert anchor in anchors(path), f"{page.name}: {link}"
+
+
+def test_the_readme_is_a_short_guide():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
