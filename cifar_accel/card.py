@@ -4,7 +4,6 @@ training curves it shows (curves.png)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from accelerate.logging import get_logger
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -21,22 +20,23 @@ from cifar_accel.outputs import (
     write_atomic,
 )
 from cifar_accel.plots import pyplot
+from cifar_accel.state import EpochRecord, RunResults
 from cifar_accel.trackers import run_name
 
 logger = get_logger(__name__)
 
 
-def plot_curves(history: list[dict[str, Any]], path: Path) -> bool:
+def plot_curves(history: list[EpochRecord], path: Path) -> bool:
     """Loss and accuracy per epoch, training and (where there was one) validation; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
-    epochs = [record["epoch"] for record in history]
+    epochs = [record.epoch for record in history]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("loss", "accuracy"), strict=True):
-        ax.plot(epochs, [record[f"train_{metric}"] for record in history], marker="o", label="train")
-        if history and history[0][f"val_{metric}"] is not None:
-            ax.plot(epochs, [record[f"val_{metric}"] for record in history], marker="o", label="validation")
+        ax.plot(epochs, [getattr(record, f"train_{metric}") for record in history], marker="o", label="train")
+        if history and getattr(history[0], f"val_{metric}") is not None:
+            ax.plot(epochs, [getattr(record, f"val_{metric}") for record in history], marker="o", label="validation")
         ax.set_xlabel("epoch")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -47,7 +47,7 @@ def plot_curves(history: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def card_metadata(config: TrainConfig, results: dict[str, Any], run_name: str) -> ModelCardData:
+def card_metadata(config: TrainConfig, results: RunResults, run_name: str) -> ModelCardData:
     """The card's YAML block: library, tags, dataset, metric, and a model-index entry with the test accuracy."""
     local = looks_like_path(config.dataset_name)
     dataset_id = "cifar10" if local else config.dataset_name
@@ -60,7 +60,7 @@ def card_metadata(config: TrainConfig, results: dict[str, Any], run_name: str) -
             "cifar10",
             "accelerate",
             config.model_name,
-            f"precision-{results['mixed_precision']}",
+            f"precision-{results.mixed_precision}",
         ],  # fmt: skip
         datasets=None if local else [config.dataset_name],
         metrics=["accuracy"],
@@ -73,20 +73,20 @@ def card_metadata(config: TrainConfig, results: dict[str, Any], run_name: str) -
                 dataset_name=dataset_label,
                 dataset_split="test",
                 metric_type="accuracy",
-                metric_value=results["test_accuracy"],
-                metric_name=f"Test accuracy (TTA: {results['tta']})",
+                metric_value=results.test_accuracy,
+                metric_name=f"Test accuracy (TTA: {results.tta})",
             )
         ],
     )
 
 
-def model_card(config: TrainConfig, results: dict[str, Any], run_name: str, curves: bool) -> ModelCard:
+def model_card(config: TrainConfig, results: RunResults, run_name: str, curves: bool) -> ModelCard:
     """The card of a finished run, from its config and results.json."""
-    hardware = results["hardware"]
+    hardware = results.hardware
     machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
-    tested = (f"the weights of epoch {results['tested_epoch']}, the best validation accuracy "
-              f"({results['best_val_accuracy']:.4f})" if results["validation"] else
-              f"the weights of the last epoch, {results['tested_epoch']} (no validation split)")  # fmt: skip
+    tested = (f"the weights of epoch {results.tested_epoch}, the best validation accuracy "
+              f"({results.best_val_accuracy:.4f})" if results.validation else
+              f"the weights of the last epoch, {results.tested_epoch} (no validation split)")  # fmt: skip
     averaged = f", averaged (EMA, decay {config.ema_decay})" if config.ema_decay else ""
     curves_text = f"![training curves]({CURVES_FILE})" if curves else "(matplotlib was not installed: no curves.png)"
     body = f"""
@@ -99,22 +99,22 @@ loop prepared by Hugging Face Accelerate.
 
 | | |
 |---|---|
-| test accuracy | {results["test_accuracy"]:.4f} (test-time augmentation: {results["tta"]}) |
-| test accuracy without TTA | {results["test_accuracy_no_tta"]:.4f} |
+| test accuracy | {results.test_accuracy:.4f} (test-time augmentation: {results.tta}) |
+| test accuracy without TTA | {results.test_accuracy_no_tta:.4f} |
 | tested | {tested}{averaged} |
-| test images | {results["test_samples"]} |
-| epochs | {results["epochs_completed"]}{" (stopped early)" if results["stopped_early"] else ""} |
+| test images | {results.test_samples} |
+| epochs | {results.epochs_completed}{" (stopped early)" if results.stopped_early else ""} |
 
 ## Training
 
 | | |
 |---|---|
-| precision in effect | {results["mixed_precision"]} (requested `{results["requested_mixed_precision"]}` by {results["mixed_precision_source"]}) |
-| hardware | {machine}, {results["num_processes"]} process(es), device `{results["device"]}` |
-| batch, learning rate | {results["global_batch_size"]} global, {results["learning_rate"]:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
-| training images | {results["train_samples"]} ({results["val_samples"]} held out for validation) |
-| speed | {results["seconds_per_epoch"]:.1f} s per epoch, {results["train_images_per_second"]:.0f} training images/s |
-| peak memory | {results["peak_memory_mib"]:.0f} MiB ({results["peak_memory_measure"]}) |
+| precision in effect | {results.mixed_precision} (requested `{results.requested_mixed_precision}` by {results.mixed_precision_source}) |
+| hardware | {machine}, {results.num_processes} process(es), device `{results.device}` |
+| batch, learning rate | {results.global_batch_size} global, {results.learning_rate:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
+| training images | {results.train_samples} ({results.val_samples} held out for validation) |
+| speed | {results.seconds_per_epoch:.1f} s per epoch, {results.train_images_per_second:.0f} training images/s |
+| peak memory | {results.peak_memory_mib:.0f} MiB ({results.peak_memory_measure}) |
 
 {curves_text}
 
@@ -136,14 +136,14 @@ classifier.predict([image], top_k=3)              # PIL images, or a uint8 batch
 ```
 
 or from the command line: `python -m cifar_accel.predict --model path/to/this/folder images/` and
-`python -m cifar_accel.evaluate --model path/to/this/folder --tta {results["tta"]}`.
+`python -m cifar_accel.evaluate --model path/to/this/folder --tta {results.tta}`.
 """  # noqa: E501 - table rows
     return ModelCard(f"---\n{card_metadata(config, results, run_name).to_yaml()}\n---\n{body}")
 
 
-def write_model_card(config: TrainConfig, results: dict[str, Any], output_dir: Path) -> None:
+def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path) -> None:
     """curves.png and README.md in the output folder; a README.md of the user's there is left as it is."""
-    curves = plot_curves(results["history"], output_dir / CURVES_FILE)
+    curves = plot_curves(results.history, output_dir / CURVES_FILE)
     card = output_dir / CARD_FILE
     if card.exists() and not is_model_card(card):
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")

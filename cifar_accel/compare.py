@@ -30,6 +30,7 @@ from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, 
 from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
+from cifar_accel.state import RunResults, read_results
 from cifar_accel.telemetry import hardware
 from cifar_accel.trackers import tensorboard_dir
 
@@ -67,16 +68,15 @@ def same_config(run_dir: Path, config: TrainConfig) -> bool:
     return all(saved.get(key) == value for key, value in wanted.items() if key not in RUN_PLUMBING)
 
 
-def finished_results(run_dir: Path) -> dict[str, Any] | None:
-    """A run's results.json, or None when it is missing or unreadable (the run did not finish)."""
+def finished_results(run_dir: Path) -> RunResults | None:
+    """A run's results, or None when its results.json is missing or unreadable (the run did not finish)."""
     try:
-        results = json.loads((run_dir / RESULTS_FILE).read_text())
-    except (OSError, ValueError):
+        return read_results(run_dir / RESULTS_FILE)
+    except InputError:
         return None
-    return results if isinstance(results, dict) else None
 
 
-def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -> dict[str, Any]:
+def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -> RunResults:
     """The results of one finished run: reused when present, else trained (or resumed) in a subprocess."""
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
@@ -114,17 +114,17 @@ def mean_and_spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
 
 
-def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[str, Any]:
     """One precision's numbers over its seeds."""
     results = [r for _, r in runs.values()]
-    epochs = min(len(r["history"]) for r in results)
+    epochs = min(len(r.history) for r in results)
 
     def per_epoch(key: str) -> list[float] | None:  # None: the runs have no validation
-        values = [[r["history"][i][key] for r in results] for i in range(epochs)]
+        values = [[getattr(r.history[i], key) for r in results] for i in range(epochs)]
         return None if any(None in epoch for epoch in values) else [statistics.fmean(epoch) for epoch in values]
 
     def over_seeds(key: str) -> dict[str, float] | None:
-        values = [r[key] for r in results]
+        values = [getattr(r, key) for r in results]
         return None if None in values else mean_and_spread([float(value) for value in values])
 
     return {
@@ -135,7 +135,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> d
         "seconds_per_epoch": over_seeds("seconds_per_epoch"),
         "train_images_per_second": over_seeds("train_images_per_second"),
         "peak_memory_mib": over_seeds("peak_memory_mib"),
-        "peak_memory_measure": results[0]["peak_memory_measure"],
+        "peak_memory_measure": results[0].peak_memory_measure,
         "best_val_accuracy": over_seeds("best_val_accuracy"),
         "test_accuracy": over_seeds("test_accuracy"),
         "skipped_steps": over_seeds("skipped_steps"),
@@ -144,9 +144,9 @@ def summarize(precision: str, runs: dict[int, tuple[Path, dict[str, Any]]]) -> d
         "train_loss_per_epoch": per_epoch("train_loss"),
         "epoch_seconds_per_epoch": per_epoch("epoch_seconds"),
         "loss_scale_trace": {str(seed): loss_scale_trace(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
-        "dtypes": results[0]["precision_report"]["dtypes"],
-        "versions": results[0]["versions"],
-        "device": results[0]["device"],
+        "dtypes": results[0].precision_report["dtypes"],
+        "versions": results[0].versions,
+        "device": results[0].device,
     }
 
 

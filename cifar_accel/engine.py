@@ -1,10 +1,10 @@
-"""The training step, one training epoch and evaluation, on objects prepared by an Accelerator."""
+"""The training step and evaluation, on objects prepared by an Accelerator; the loop around the step is
+``train.train_epoch``."""
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,8 +20,6 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 # A training batch of images and class labels -> (model inputs, loss targets), see transforms.TrainingTransform.
 TrainTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# Called after every batch with its loss and, on optimizer steps, the gradient norm (see ``training_step``).
-AfterStep = Callable[[torch.Tensor, torch.Tensor | None], None]
 
 
 def training_step(
@@ -54,42 +52,9 @@ def training_step(
     return loss.detach(), outputs.detach(), grad_norm
 
 
-def train_one_epoch(
-    accelerator: Accelerator,
-    model: nn.Module,
-    loader: Iterable,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    transform: TrainTransform,
-    max_grad_norm: float | None,
-    totals: torch.Tensor,
-    after_step: AfterStep,
-    description: str = "train",
-) -> dict[str, float]:
-    """Train over ``loader`` once; loss, accuracy and images summed over all processes, and this call's seconds.
-
-    ``totals`` (loss sum, correct, images on this process) is added to in place and may carry the first part of
-    an epoch that was resumed mid-way; ``after_step(loss, grad_norm)`` runs after every batch. The accuracy
-    counts against the class labels, also when MixUp or CutMix train on mixed targets.
-    """
-    model.train()
-    start = time.perf_counter()
-    progress = tqdm(
-        loader, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process
-    )
-    for images, labels in progress:
-        inputs, targets = transform(images, labels)
-        with accelerator.accumulate(model):
-            loss, logits, grad_norm = training_step(
-                accelerator, model, optimizer, loss_fn, inputs, targets, max_grad_norm
-            )
-        totals[0] += loss.float() * len(labels)
-        totals[1] += (logits.argmax(1) == labels).sum()
-        totals[2] += len(labels)
-        after_step(loss, grad_norm)
-    seconds = time.perf_counter() - start
-    loss_sum, correct, seen = accelerator.reduce(totals.clone(), reduction="sum").tolist()
-    return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
+def progress_bar(batches: Iterable, accelerator: Accelerator, description: str) -> Iterable:
+    """``batches`` with a progress bar on stdout, on the main process of each machine."""
+    return tqdm(batches, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process)
 
 
 def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:

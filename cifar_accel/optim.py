@@ -129,7 +129,7 @@ def build_scheduler(
     config: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning-rate schedule: epoch-wise (``step``, ``cosine``; stepped at each epoch's end) or per
-    optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``steps_per_update``)."""
+    optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``Run.schedule_per_step``)."""
     if config.lr_scheduler_type in PER_STEP_SCHEDULES:
         total = config.num_train_epochs * steps_per_epoch
         schedule = StepSchedule(
@@ -140,11 +140,6 @@ def build_scheduler(
     if config.lr_scheduler_type == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
-
-
-def steps_per_update(config: TrainConfig) -> bool:
-    """Whether the schedule steps after every optimizer step (else once per epoch)."""
-    return config.lr_scheduler_type in PER_STEP_SCHEDULES
 
 
 def check_resumed_schedule(

@@ -1,13 +1,17 @@
-"""Where a run stands: one ``EpochRecord`` per finished epoch and the ``TrainerState`` that every checkpoint saves
-as JSON. Both are read back through ``schema.from_json``, so their definitions here are also their checks."""
+"""Where a run stands and what it measured: one ``EpochRecord`` per finished epoch, the ``TrainerState`` that every
+checkpoint saves as JSON, and the ``RunResults`` of a finished run (results.json). Each is read back through
+``schema.from_json``, so its definition here is also its check."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from cifar_accel.schema import bounds
+from cifar_accel.errors import InputError, one_line
+from cifar_accel.schema import bounds, from_json
 
 MAX_COUNT = 10**9  # no real run takes this many epochs, steps or processes
 COUNT = bounds(ge=0, le=MAX_COUNT)
@@ -118,3 +122,62 @@ class TrainerState:
         if self.best_epoch is None or self.best_epoch > self.epoch or self.best_val_accuracy is None:
             return f"'best_epoch' must be an epoch from 1 to {self.epoch}, with its 'best_val_accuracy'"
         return None
+
+
+RESULTS_SCHEMA_VERSION = 1
+
+
+@dataclass
+class RunResults:
+    """What a finished run measured: ``results.json``. ``telemetry.run_results`` builds it; the model card,
+    ``compare`` and the scripts read it back through ``read_results``, so a key is defined here once. A field
+    added later gets a default, so that the files of older runs still load."""
+
+    validation: bool  # without it (--val_ratio 0) there is no best epoch
+    best_val_accuracy: float | None = field(metadata=bounds(ge=0, le=1))
+    best_epoch: int | None = field(metadata=bounds(ge=1, le=MAX_COUNT))
+    tested_epoch: int = field(metadata=bounds(ge=1, le=MAX_COUNT))  # the epoch whose weights were tested
+    test_accuracy: float = field(metadata=bounds(ge=0, le=1))
+    tta: str  # the test-time augmentation test_accuracy used
+    test_accuracy_no_tta: float = field(metadata=bounds(ge=0, le=1))
+    test_loss: float
+    test_samples: int = field(metadata=COUNT)
+    epochs_completed: int = field(metadata=COUNT)
+    stopped_early: bool
+    mixed_precision: str  # in effect
+    requested_mixed_precision: str
+    mixed_precision_source: str
+    precision_advice: dict[str, str] | None  # what the hardware suggests, as logged at the start
+    train_images_per_second: float
+    seconds_per_epoch: float
+    skipped_steps: int = field(metadata=COUNT)
+    peak_memory_mib: float
+    peak_memory_measure: str
+    precision_report: dict[str, Any]
+    num_processes: int = field(metadata=bounds(ge=1, le=MAX_COUNT))
+    global_batch_size: int
+    learning_rate: float
+    device: str
+    hardware: dict[str, Any]
+    train_samples: int = field(metadata=COUNT)
+    val_samples: int = field(metadata=COUNT)
+    history: list[EpochRecord]
+    versions: dict[str, str]
+    schema_version: int = RESULTS_SCHEMA_VERSION  # files written before it was recorded are version 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_results(path: Path) -> RunResults:
+    """The results.json at ``path``, checked against ``RunResults``; a missing, damaged or foreign file is an
+    InputError that says so."""
+
+    def invalid(problem: str) -> InputError:
+        return InputError(f"{path} is not the results.json of a finished run ({problem})")
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise invalid(one_line(err)[:200]) from None
+    return from_json(RunResults, data, invalid)

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from cifar_accel.precision import native_bf16
-from cifar_accel.state import EpochRecord, TrainerState
+from cifar_accel.state import EpochRecord, RunResults, TrainerState
 
 logger = get_logger(__name__)
 
@@ -86,46 +86,46 @@ def run_results(
     val_samples: int,
     global_batch_size: int,
     learning_rate: float,
-) -> dict[str, Any]:
+) -> RunResults:
     """The contents of results.json: the outcome (the weights of the best validation epoch, or of the last one
     without validation, and the test-time augmentation ``tta`` used), the precision in
     effect (``precision`` is the dtype report), speed and memory, the setting, and the per-epoch history."""
     history = state.history
     memory, memory_measure = peak_memory(accelerator.device)
-    return {
-        "validation": val_samples > 0,  # without it (--val_ratio 0) there is no best epoch
-        "best_val_accuracy": state.best_val_accuracy,
-        "best_epoch": state.best_epoch,
-        "tested_epoch": state.best_epoch if val_samples else state.epoch,  # the epoch whose weights were tested
-        "test_accuracy": test["accuracy"],
-        "tta": tta,  # the test-time augmentation test_accuracy used
-        "test_accuracy_no_tta": test.get("accuracy_no_tta", test["accuracy"]),
-        "test_loss": test["loss"],
-        "test_samples": test["samples"],
-        "epochs_completed": state.epoch,
-        "stopped_early": stopped_early,
-        "mixed_precision": precision["effective"],
-        "requested_mixed_precision": precision["requested"],
-        "mixed_precision_source": precision["requested_by"],
-        "precision_advice": precision["advice"],  # what the hardware suggests, as logged at the start
-        "train_images_per_second": sum(r.train_images for r in history) / sum(r.train_seconds for r in history),
-        "seconds_per_epoch": sum(r.epoch_seconds for r in history) / len(history),
-        "skipped_steps": state.skipped_steps,
-        "peak_memory_mib": memory,
-        "peak_memory_measure": memory_measure,
-        "precision_report": precision,
-        "num_processes": accelerator.num_processes,
-        "global_batch_size": global_batch_size,
-        "learning_rate": learning_rate,
-        "device": str(accelerator.device),
-        "hardware": hardware(),
-        "train_samples": train_samples,
-        "val_samples": val_samples,
-        "history": [record.to_dict() for record in history],
-        "versions": {
+    return RunResults(
+        validation=val_samples > 0,
+        best_val_accuracy=state.best_val_accuracy,
+        best_epoch=state.best_epoch,
+        tested_epoch=state.best_epoch if val_samples else state.epoch,
+        test_accuracy=test["accuracy"],
+        tta=tta,
+        test_accuracy_no_tta=test.get("accuracy_no_tta", test["accuracy"]),
+        test_loss=test["loss"],
+        test_samples=test["samples"],
+        epochs_completed=state.epoch,
+        stopped_early=stopped_early,
+        mixed_precision=precision["effective"],
+        requested_mixed_precision=precision["requested"],
+        mixed_precision_source=precision["requested_by"],
+        precision_advice=precision["advice"],
+        train_images_per_second=sum(r.train_images for r in history) / sum(r.train_seconds for r in history),
+        seconds_per_epoch=sum(r.epoch_seconds for r in history) / len(history),
+        skipped_steps=state.skipped_steps,
+        peak_memory_mib=memory,
+        peak_memory_measure=memory_measure,
+        precision_report=precision,
+        num_processes=accelerator.num_processes,
+        global_batch_size=global_batch_size,
+        learning_rate=learning_rate,
+        device=str(accelerator.device),
+        hardware=hardware(),
+        train_samples=train_samples,
+        val_samples=val_samples,
+        history=list(history),
+        versions={
             "python": platform.python_version(),
             "torch": torch.__version__,
             "accelerate": accelerate.__version__,
             "datasets": datasets.__version__,
         },
-    }
+    )

@@ -8,21 +8,19 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
-import evaluate
 import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
-from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.averaging import WeightAverage
+from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.card import write_model_card
 from cifar_accel.checkpoint import (
     adopt_best_checkpoint,
@@ -36,12 +34,11 @@ from cifar_accel.checkpoint import (
 )
 from cifar_accel.config import TrainConfig, config_yaml, load_config
 from cifar_accel.data import CifarData, Split, check_dataset_path, load_data, make_loader
-from cifar_accel.engine import LossFn, TrainTransform, Transform, evaluate_model, train_one_epoch
+from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
 from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.models import build_model
-from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
 from cifar_accel.outputs import (
     CONFIG_FILE,
@@ -65,7 +62,8 @@ from cifar_accel.pictures import (
     tensorboard_writer,
 )
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
-from cifar_accel.state import TrainerState
+from cifar_accel.run import Run
+from cifar_accel.state import RunResults, TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
 from cifar_accel.trackers import check_trackers, requested_trackers, start_trackers, tracker_config
@@ -96,7 +94,7 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / LOGS_DIR)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-        step_scheduler_with_optimizer=False,  # the monitor steps the schedule: per epoch, or once per optimizer step
+        step_scheduler_with_optimizer=False,  # the loop steps the schedule: per epoch, or once per optimizer step
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
         raise InputError(
@@ -105,37 +103,6 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
             "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
         )
     return accelerator
-
-
-@dataclass
-class Run:
-    """Everything a run trains with, prepared by the Accelerator, and where it stands (``state``)."""
-
-    config: TrainConfig
-    accelerator: Accelerator
-    output_dir: Path
-    data: CifarData
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    loss_fn: LossFn
-    train_loader: DataLoader
-    train_transform: TrainTransform
-    val_loader: DataLoader
-    test_loader: DataLoader
-    eval_transform: Transform
-    metric: evaluate.EvaluationModule
-    precision: dict[str, Any]  # the dtype report
-    state: TrainerState
-    last_checkpoint: Path | None  # the checkpoint resumed from
-    global_batch_size: int
-    learning_rate: float
-    ema: WeightAverage | None  # the weight average, when --ema_decay is set
-
-    @property
-    def eval_model(self) -> nn.Module:
-        """What validation, test and export use: the weight average, if there is one."""
-        return self.model if self.ema is None else self.ema.module
 
 
 def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarData, int, float]:
@@ -239,24 +206,46 @@ def set_up_run(
     )  # fmt: skip
 
 
-def train_epochs(run: Run, monitor: TrainingMonitor) -> None:
-    """The epoch loop: train, validate, and let the monitor close the epoch (schedule, record, save, stop)."""
+def train_epochs(run: Run, books: RunBookkeeper) -> None:
+    """The epoch loop: train, validate, step an epoch-wise schedule, then record, log and save the epoch."""
     for epoch in range(run.state.epoch, run.config.num_train_epochs):
-        if monitor.stops_early():
+        if books.stops_early():
             break
-        batches = monitor.begin_epoch(epoch, run.train_loader)
-        train_stats = train_one_epoch(
-            run.accelerator, run.model, batches, run.optimizer, run.loss_fn, run.train_transform,
-            run.config.max_grad_norm, monitor.totals, monitor.after_step,
-            description=f"epoch {epoch + 1}/{run.config.num_train_epochs}",
-        )  # fmt: skip
+        train_stats = train_epoch(run, books, epoch)
         val_stats = None  # --val_ratio 0: no validation
         if len(run.data.val):
             val_stats = evaluate_model(run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric)
-        monitor.end_epoch(train_stats, val_stats)
+        if not run.schedule_per_step:
+            run.scheduler.step()
+        books.end_epoch(train_stats, val_stats)
 
 
-def finish_run(run: Run) -> dict[str, Any]:
+def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
+    """One epoch of training steps, and after each optimizer step, in this order: count it (and note whether it
+    stayed finite), log it, step a per-step schedule, update the weight average, save a checkpoint or stop."""
+    accelerator = run.accelerator
+    run.model.train()
+    batches = progress_bar(books.begin_epoch(epoch), accelerator, f"epoch {epoch + 1}/{run.config.num_train_epochs}")
+    for images, labels in batches:
+        inputs, targets = run.train_transform(images, labels)
+        with accelerator.accumulate(run.model):
+            loss, logits, grad_norm = training_step(
+                accelerator, run.model, run.optimizer, run.loss_fn, inputs, targets, run.config.max_grad_norm
+            )
+        books.count_batch(loss, logits, labels)
+        if not accelerator.sync_gradients:
+            continue  # accumulated for the next optimizer step
+        books.count_step(loss, grad_norm)
+        books.log_step(loss, grad_norm)
+        if run.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
+            run.scheduler.step()
+        if run.ema is not None:
+            run.ema.update(accelerator.unwrap_model(run.model))
+        books.save_or_stop()
+    return books.epoch_training()
+
+
+def finish_run(run: Run) -> RunResults:
     """Test the weights (or their average) with the best validation accuracy, or the final ones when there was no
     validation, export them as model.safetensors, write results.json."""
     accelerator, state, output_dir = run.accelerator, run.state, run.output_dir
@@ -283,24 +272,24 @@ def finish_run(run: Run) -> dict[str, Any]:
     try:
         export_weights(accelerator, run.eval_model, output_dir)
         if accelerator.is_main_process:
-            write_atomic(output_dir / RESULTS_FILE, json.dumps(results, indent=2))
+            write_atomic(output_dir / RESULTS_FILE, json.dumps(results.to_dict(), indent=2))
             write_model_card(run.config, results, output_dir)
     except RunFault as err:  # the checkpoints hold the finished run: its resume tests and exports it again
         raise RunFault(f"{err}, then resume with --resume_from_checkpoint latest to test and export again") from None
     log_final_pictures(run, test_stats, results)
     tested = (
-        f"best validation {results['best_val_accuracy']:.4f} at epoch {results['best_epoch']}"
+        f"best validation {results.best_val_accuracy:.4f} at epoch {results.best_epoch}"
         if state.best_checkpoint is not None
         else f"the weights of the last epoch, {state.epoch}; no validation"
     )
     logger.info(
-        f"test accuracy {results['test_accuracy']:.4f} ({tested}); model.safetensors, results.json, the model card "
+        f"test accuracy {results.test_accuracy:.4f} ({tested}); model.safetensors, results.json, the model card "
         f"(README.md), config.yaml, checkpoints/ and logs/ are in {output_dir.resolve()}"
     )
     return results
 
 
-def log_final_pictures(run: Run, test: dict[str, Any], results: dict[str, Any]) -> None:
+def log_final_pictures(run: Run, test: dict[str, Any], results: RunResults) -> None:
     """TensorBoard: the confusion matrix, per-class accuracy and confident mistakes of the final test, and the
     config with the test accuracy in the HParams panel."""
     writer = tensorboard_writer(run.accelerator)
@@ -309,7 +298,7 @@ def log_final_pictures(run: Run, test: dict[str, Any], results: dict[str, Any]) 
     class_names = run.data.class_names
     report = classification_report(test["predictions"].cpu(), test["references"].cpu(), class_names)
     log_test_pictures(writer, report, test, run.data.test.images, class_names, step=run.state.global_step)
-    metrics = {k: results[k] for k in ("test_accuracy", "test_accuracy_no_tta", "test_loss")}
+    metrics = {k: getattr(results, k) for k in ("test_accuracy", "test_accuracy_no_tta", "test_loss")}
     log_hparams(writer, tracker_config(run.config), metrics)
 
 
@@ -355,8 +344,8 @@ def run_training(
     config: TrainConfig,
     precision_source: str,
     train_pipeline: TrainPipeline = batch_pipeline,
-    monitor_type: type[TrainingMonitor] = TrainingMonitor,
-) -> dict[str, Any]:
+    bookkeeper_type: type[RunBookkeeper] = RunBookkeeper,
+) -> RunResults:
     """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds.
 
     A SIGINT or SIGTERM stops the set-up at once, since nothing is written yet; from the first write on, it
@@ -373,12 +362,9 @@ def run_training(
             run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
             stop.defer()
             replaced = open_run_outputs(run)
-            monitor = monitor_type(
-                accelerator, config, run.state, run.optimizer, run.scheduler, output_dir, stop, run.last_checkpoint,
-                replaced, run.ema, accelerator.unwrap_model(run.model),
-            )  # fmt: skip
+            books = bookkeeper_type(run, stop, replaced)
             try:
-                train_epochs(run, monitor)
+                train_epochs(run, books)
                 results = finish_run(run)
                 stopping = stop.requested(accelerator)
                 accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
@@ -386,7 +372,7 @@ def run_training(
                 raise RunFault(
                     f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
                     f"({err.strerror or err}); {fix_for(err)}, then "
-                    + ("resume with --resume_from_checkpoint latest" if monitor.last_checkpoint else "run again")
+                    + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
                 ) from None
             if config.push_to_hub and accelerator.is_main_process and not stopping:
                 logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
@@ -402,7 +388,7 @@ def run_training(
 def main(
     argv: Sequence[str],
     train_pipeline: TrainPipeline = batch_pipeline,
-    monitor_type: type[TrainingMonitor] = TrainingMonitor,
+    bookkeeper_type: type[RunBookkeeper] = RunBookkeeper,
 ) -> None:
     config, precision_source = load_config(argv)
     # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract.
@@ -414,7 +400,7 @@ def main(
     )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
     datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
-    run_training(config, precision_source, train_pipeline, monitor_type)
+    run_training(config, precision_source, train_pipeline, bookkeeper_type)
 
 
 def cli() -> None:

@@ -34,11 +34,13 @@ for precision in bf16 fp16; do
     "$python" -m cifar_accel.train --config fast --dataset_name "$data" --mixed_precision "$precision" \
         --output_dir "$out/fast_$precision" --overwrite_output_dir "$@"
     "$python" - "$out/fast_$precision/results.json" $(($(date +%s) - start)) <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"fast preset, {r['mixed_precision']}: test accuracy {r['test_accuracy']:.4f} with {r['tta']} TTA "
-      f"({r['test_accuracy_no_tta']:.4f} without), {sys.argv[2]} s wall, {r['seconds_per_epoch']:.1f} s/epoch, "
-      f"{r['train_images_per_second']:.0f} images/s, peak {r['peak_memory_mib']:.0f} MiB ({r['peak_memory_measure']})")
+import sys
+from pathlib import Path
+from cifar_accel.state import read_results
+r = read_results(Path(sys.argv[1]))
+print(f"fast preset, {r.mixed_precision}: test accuracy {r.test_accuracy:.4f} with {r.tta} TTA "
+      f"({r.test_accuracy_no_tta:.4f} without), {sys.argv[2]} s wall, {r.seconds_per_epoch:.1f} s/epoch, "
+      f"{r.train_images_per_second:.0f} images/s, peak {r.peak_memory_mib:.0f} MiB ({r.peak_memory_measure})")
 EOF
 done
 echo "report: $out/report.md"

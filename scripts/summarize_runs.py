@@ -7,29 +7,30 @@ python scripts/summarize_runs.py outputs/fast_seed0 outputs/fast_seed1 outputs/f
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from cifar_accel.state import read_results
 
 
 def main(run_dirs: list[str]) -> None:
     print("| run | precision | epochs | s/epoch | train img/s | minutes | best val acc | test acc | test acc, no TTA |")
     print("|---|---|---|---|---|---|---|---|---|")
-    runs = [json.loads((Path(run_dir) / "results.json").read_text()) for run_dir in run_dirs]
+    runs = [read_results(Path(run_dir) / "results.json") for run_dir in run_dirs]
     for run_dir, results in zip(run_dirs, runs, strict=True):
-        stopped = " (early stop)" if results["stopped_early"] else ""
-        best = (f"{results['best_val_accuracy']:.4f} (epoch {results['best_epoch']})"
-                if results["best_val_accuracy"] is not None else "no validation")  # fmt: skip
-        minutes = sum(record["epoch_seconds"] for record in results["history"]) / 60
+        stopped = " (early stop)" if results.stopped_early else ""
+        best = (f"{results.best_val_accuracy:.4f} (epoch {results.best_epoch})"
+                if results.best_val_accuracy is not None else "no validation")  # fmt: skip
+        minutes = sum(record.epoch_seconds for record in results.history) / 60
         print(
-            f"| {Path(run_dir).name} | {results['mixed_precision']} | {results['epochs_completed']}{stopped} | "
-            f"{results['seconds_per_epoch']:.1f} | {results['train_images_per_second']:.0f} | {minutes:.1f} | {best} | "
-            f"{results['test_accuracy']:.4f} (TTA {results['tta']}) | {results['test_accuracy_no_tta']:.4f} |"
+            f"| {Path(run_dir).name} | {results.mixed_precision} | {results.epochs_completed}{stopped} | "
+            f"{results.seconds_per_epoch:.1f} | {results.train_images_per_second:.0f} | {minutes:.1f} | {best} | "
+            f"{results.test_accuracy:.4f} (TTA {results.tta}) | {results.test_accuracy_no_tta:.4f} |"
         )
     if len(runs) > 1:
-        with_tta = [results["test_accuracy"] for results in runs]
-        without = [results["test_accuracy_no_tta"] for results in runs]
+        with_tta = [results.test_accuracy for results in runs]
+        without = [results.test_accuracy_no_tta for results in runs]
         print(f"\n{len(runs)} runs: test accuracy mean {statistics.mean(with_tta):.4f}, min {min(with_tta):.4f}; "
               f"without TTA mean {statistics.mean(without):.4f}, min {min(without):.4f}")  # fmt: skip
 

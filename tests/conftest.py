@@ -23,9 +23,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from cifar_accel import train
+from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.errors import run_cli as run_main
-from cifar_accel.monitor import TrainingMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
@@ -138,12 +138,12 @@ def datasets_cache_of_this_session(tmp_path_factory: pytest.TempPathFactory):
     datasets.config.HF_DATASETS_CACHE = previous
 
 
-def train_in_process(args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor) -> int:
+def train_in_process(args: list[str], bookkeeper_type: type[RunBookkeeper] = RunBookkeeper) -> int:
     """Run ``cifar_accel.train`` in this process as its CLI would (flags, exit code, one-line errors), with the
-    monitor type of one's choice: the policies' seam. Faster than a subprocess, which spends seconds importing
-    torch."""
+    bookkeeper type of one's choice: the seam where a test injects a fault. Faster than a subprocess, which
+    spends seconds importing torch."""
     try:
-        return run_main(lambda argv: train.main(argv, monitor_type=monitor_type), args)
+        return run_main(lambda argv: train.main(argv, bookkeeper_type=bookkeeper_type), args)
     finally:
         reset_accelerate_state()
 
@@ -155,10 +155,10 @@ def train_here(
     """``train_in_process`` that returns what a subprocess would: exit code, the log and stdout, stderr."""
     caplog.set_level(logging.INFO)
 
-    def run(args: list[str], monitor_type: type[TrainingMonitor] = TrainingMonitor) -> subprocess.CompletedProcess:
+    def run(args: list[str], bookkeeper_type: type[RunBookkeeper] = RunBookkeeper) -> subprocess.CompletedProcess:
         capsys.readouterr()
         caplog.clear()
-        code = train_in_process(args, monitor_type)
+        code = train_in_process(args, bookkeeper_type)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, caplog.text + out, err)
 

@@ -10,19 +10,18 @@ import sys
 from safetensors.torch import save_file
 
 from cifar_accel import train
-from cifar_accel.monitor import TrainingMonitor
+from cifar_accel.bookkeeping import RunBookkeeper
 
 
-class SaveEachRanksWeights(TrainingMonitor):
+class SaveEachRanksWeights(RunBookkeeper):
     def end_epoch(self, train, val):
         if self.state.epoch == 0:
-            (model,) = self.accelerator._models
-            weights = {
-                k: v.detach().clone().contiguous() for k, v in self.accelerator.unwrap_model(model).state_dict().items()
-            }
-            name = f"rank{self.accelerator.process_index}.safetensors"
+            accelerator = self.run.accelerator
+            model = accelerator.unwrap_model(self.run.model)
+            weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+            name = f"rank{accelerator.process_index}.safetensors"
             save_file(weights, os.path.join(os.environ["RANK_WEIGHTS_DIR"], name))
         return super().end_epoch(train, val)
 
 
-sys.exit(train.run_cli(lambda argv: train.main(argv, monitor_type=SaveEachRanksWeights)))
+sys.exit(train.run_cli(lambda argv: train.main(argv, bookkeeper_type=SaveEachRanksWeights)))

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from cifar_accel import compare, evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
-from cifar_accel.errors import run_cli
+from cifar_accel.errors import InputError, run_cli
+from cifar_accel.state import read_results
 
 from conftest import make_images, read_results, tiny_args, train_in_process
 
@@ -172,3 +173,28 @@ def test_the_python_api_names_the_expected_input_in_one_error(runs, images, kwar
                        if message.startswith("got") else re.escape(message)) as err:  # fmt: skip
         trained.predict(images, **kwargs)
     assert message in str(err.value)
+
+
+# results.json keeps every key it ever had; RunResults (cifar_accel/state.py) is the one definition of them.
+RESULTS_KEYS = {
+    "validation", "best_val_accuracy", "best_epoch", "tested_epoch", "test_accuracy", "tta", "test_accuracy_no_tta",
+    "test_loss", "test_samples", "epochs_completed", "stopped_early", "mixed_precision", "requested_mixed_precision",
+    "mixed_precision_source", "precision_advice", "train_images_per_second", "seconds_per_epoch", "skipped_steps",
+    "peak_memory_mib", "peak_memory_measure", "precision_report", "num_processes", "global_batch_size",
+    "learning_rate", "device", "hardware", "train_samples", "val_samples", "history", "versions",
+}  # fmt: skip
+
+
+def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
+    written = json.loads((runs["default"] / "results.json").read_text())
+    assert set(written) == RESULTS_KEYS | {"schema_version"} and written["schema_version"] == 1
+    older = {k: v for k, v in written.items() if k != "schema_version"}  # as written before the version was
+    (tmp_path / "results.json").write_text(json.dumps(older))
+    results = read_results(tmp_path / "results.json")
+    assert results.schema_version == 1 and results.history[0].epoch == 1
+    assert results.to_dict() == written
+    for damage in ({**written, "test_accuracy": 1.5}, {**written, "history": [{"epoch": 1}]}, [written]):
+        (tmp_path / "results.json").write_text(json.dumps(damage))
+        with pytest.raises(InputError, match="is not the results.json of a finished run"):
+            read_results(tmp_path / "results.json")
+        assert compare.finished_results(tmp_path) is None  # compare trains such a run again

@@ -24,12 +24,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from cifar_accel import compare, evaluate, predict
+from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import InputError, RunFault, run_cli
 from cifar_accel.inference import load_model
-from cifar_accel.monitor import TrainingMonitor
 from cifar_accel.outputs import REPLACED_RUN, OutputDirLock
 from cifar_accel.state import TrainerState
 
@@ -93,8 +93,8 @@ def test_a_refused_overwrite_leaves_the_earlier_run_whole(earlier_run, tiny_data
     assert snapshot(earlier_run) == before
 
 
-class FaultAtFirstStep(TrainingMonitor):
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+class FaultAtFirstStep(RunBookkeeper):
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         raise RunFault("injected fault before the first checkpoint")
 
 
@@ -102,7 +102,7 @@ def test_overwrite_replaces_the_earlier_run_only_once_the_new_one_has_a_checkpoi
                                                                                   train_here):  # fmt: skip
     earlier = snapshot(earlier_run)
     args = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")
-    proc = train_here(args, monitor_type=FaultAtFirstStep)
+    proc = train_here(args, bookkeeper_type=FaultAtFirstStep)
     assert proc.returncode == 1 and "injected fault" in one_error_line(proc)
     kept = {name: digest for name, digest in earlier.items() if name != "notes.txt"}
     assert snapshot(earlier_run / REPLACED_RUN) == kept  # the whole earlier run, set aside
@@ -124,7 +124,7 @@ def test_a_chain_of_overwrites_never_deletes_a_finished_run(earlier_run, tiny_da
     left it. D (--overwrite_output_dir) replaces A at its first checkpoint and finishes."""
     a_run = snapshot(earlier_run)
     overwrite = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")
-    assert train_here(overwrite, monitor_type=FaultAtFirstStep).returncode == 1
+    assert train_here(overwrite, bookkeeper_type=FaultAtFirstStep).returncode == 1
     left_by_b = snapshot(earlier_run)
     assert snapshot(earlier_run / REPLACED_RUN) == {k: v for k, v in a_run.items() if k != "notes.txt"}
 
@@ -595,10 +595,10 @@ def test_a_signal_while_loading_data_stops_at_once_and_writes_nothing(tiny_datas
     assert sorted(p.name for p in out.iterdir()) == []
 
 
-class SignalAfterTheLastEpoch(TrainingMonitor):
+class SignalAfterTheLastEpoch(RunBookkeeper):
     def end_epoch(self, train: dict, val: dict):
         record = super().end_epoch(train, val)
-        if record.epoch == self.config.num_train_epochs:
+        if record.epoch == self.run.config.num_train_epochs:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives as the final test starts
         return record
 
@@ -606,7 +606,7 @@ class SignalAfterTheLastEpoch(TrainingMonitor):
 def test_a_signal_during_the_final_test_lets_it_finish_then_exits_with_the_signals_code(tiny_dataset, train_here,
                                                                                         tmp_path):  # fmt: skip
     out = tmp_path / "run"
-    proc = train_here(tiny_args(tiny_dataset, out), monitor_type=SignalAfterTheLastEpoch)
+    proc = train_here(tiny_args(tiny_dataset, out), bookkeeper_type=SignalAfterTheLastEpoch)
     assert proc.returncode == 143
     assert one_error_line(proc).startswith("stopped by SIGTERM during the final test and export, which were completed")
     assert read_results(out)["epochs_completed"] == 1 and (out / "model.safetensors").is_file()

@@ -1,5 +1,5 @@
-"""The per-step and per-epoch policies (counting, the non-finite guard, telemetry, step checkpoints, stop
-requests, the epoch record), tested in this process on real Accelerate objects."""
+"""The bookkeeping per step and per epoch (counting, the non-finite guard, telemetry, step checkpoints, stop
+requests, the epoch record), tested in this process on real Accelerate objects and the real epoch loop."""
 
 from __future__ import annotations
 
@@ -16,21 +16,22 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from cifar_accel.checkpoint import STATE_FILE, TrainerState, complete_checkpoints
+from cifar_accel.bookkeeping import NonFiniteGuard, RunBookkeeper, count_skipped_step
+from cifar_accel.checkpoint import STATE_FILE, complete_checkpoints
 from cifar_accel.config import TrainConfig
-from cifar_accel.engine import train_one_epoch, training_step
+from cifar_accel.engine import training_step
 from cifar_accel.errors import RunFault, Stopped
-from cifar_accel.monitor import NonFiniteGuard, TrainingMonitor, count_skipped_step
+from cifar_accel.run import Run
+from cifar_accel.state import EpochRecord, TrainerState
 from cifar_accel.stopping import StopRequest
-from cifar_accel.telemetry import EpochRecord
+from cifar_accel.train import train_epoch
 
 from conftest import fp16_accelerator, read_results, tiny_args
 
 
-def make_monitor(
-    tmp_path: Path, accumulation: int = 1, **config: object
-) -> tuple[TrainingMonitor, nn.Module, DataLoader]:
-    """A monitor over a small prepared model, optimizer, epoch-wise schedule and a loader of 12 batches of 4."""
+def small_run(tmp_path: Path, accumulation: int = 1, **config: object) -> Run:
+    """A run of a small prepared model, optimizer, epoch-wise schedule and a loader of 12 batches of 4; what the
+    bookkeeping does not use (data, evaluation, metric) is left out."""
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
@@ -41,22 +42,19 @@ def make_monitor(
     loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     settings = TrainConfig(output_dir=str(tmp_path), checkpoints_total_limit=100, **config)
-    monitor = TrainingMonitor(accelerator, settings, TrainerState(), optimizer, scheduler, tmp_path, StopRequest())
-    return monitor, model, loader
-
-
-def train_epoch(monitor: TrainingMonitor, model: nn.Module, loader: DataLoader, epoch: int = 0) -> dict:
-    batches = monitor.begin_epoch(epoch, loader)
-    return train_one_epoch(
-        monitor.accelerator, model, batches, monitor.optimizer, F.cross_entropy, lambda x, y: (x, y), None,
-        monitor.totals, monitor.after_step,
+    return Run(
+        config=settings, accelerator=accelerator, output_dir=tmp_path, data=None, model=model, optimizer=optimizer,
+        scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader, train_transform=lambda x, y: (x, y),
+        val_loader=None, test_loader=None, eval_transform=None, metric=None, precision={}, state=TrainerState(),
+        last_checkpoint=None, global_batch_size=4 * accumulation, learning_rate=0.1, ema=None,
     )  # fmt: skip
 
 
-def test_after_step_counts_batches_and_optimizer_steps_and_saves_every_n_steps(tmp_path):
-    monitor, model, loader = make_monitor(tmp_path, accumulation=2, checkpointing_steps="2")
-    stats = train_epoch(monitor, model, loader)
-    state = monitor.state
+def test_batches_and_optimizer_steps_are_counted_and_saved_every_n_steps(tmp_path):
+    run = small_run(tmp_path, accumulation=2, checkpointing_steps="2")
+    books = RunBookkeeper(run, StopRequest())
+    stats = train_epoch(run, books, epoch=0)
+    state = run.state
     assert (state.step_in_epoch, state.global_step) == (12, 6)  # 12 batches, 2 per optimizer step
     # Step 6 ends the epoch: it is saved by the epoch's end, once the epoch is recorded, not before.
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
@@ -64,23 +62,25 @@ def test_after_step_counts_batches_and_optimizer_steps_and_saves_every_n_steps(t
     assert (saved["step_in_epoch"], saved["global_step"]) == (8, 4)
     assert saved["epoch_totals"][0][2] == 32  # the images of the epoch so far, kept for a mid-epoch resume
     assert saved["epoch_train_seconds"] > 0
-    assert stats["images"] == 48 and monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000004"
-    monitor.end_epoch(stats, None)
-    assert monitor.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
-    saved = json.loads((monitor.last_checkpoint / STATE_FILE).read_text())
+    assert stats["images"] == 48 and books.last_checkpoint == tmp_path / "checkpoints" / "step_00000004"
+    books.end_epoch(stats, None)
+    assert books.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
+    saved = json.loads((books.last_checkpoint / STATE_FILE).read_text())
     assert (saved["epoch"], saved["step_in_epoch"], len(saved["history"])) == (1, 0, 1)
 
 
-def test_end_epoch_steps_the_schedule_records_and_saves(tmp_path):
-    monitor, model, loader = make_monitor(tmp_path)
+def test_end_epoch_records_and_saves_with_the_rate_the_epoch_trained_with(tmp_path):
+    run = small_run(tmp_path)
+    books = RunBookkeeper(run, StopRequest())
     for epoch in range(2):
-        train = train_epoch(monitor, model, loader, epoch)
-        record = monitor.end_epoch(train, {"loss": 1.5 - epoch, "accuracy": 0.5 + epoch / 10, "samples": 7})
-    assert [r["learning_rate"] for r in monitor.state.history] == [0.1, 0.05]  # the rate each epoch trained with
-    assert monitor.optimizer.param_groups[0]["lr"] == 0.025
-    assert record == EpochRecord(**monitor.state.history[-1])
+        train = train_epoch(run, books, epoch)
+        run.scheduler.step()  # epoch-wise, as train_epochs steps it before the epoch is recorded
+        record = books.end_epoch(train, {"loss": 1.5 - epoch, "accuracy": 0.5 + epoch / 10, "samples": 7})
+    assert [r.learning_rate for r in run.state.history] == [0.1, 0.05]  # the rate each epoch trained with
+    assert run.optimizer.param_groups[0]["lr"] == 0.025
+    assert record == run.state.history[-1]
     assert (record.epoch, record.val_accuracy, record.val_samples, record.train_images) == (2, 0.6, 7, 48)
-    assert monitor.state.best_checkpoint == "step_00000024" and monitor.state.step_in_epoch == 0
+    assert run.state.best_checkpoint == "step_00000024" and run.state.step_in_epoch == 0
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000012", "step_00000024"]
 
 
@@ -100,19 +100,20 @@ def test_the_epoch_record_is_the_one_source_of_history_tracker_scalars_and_log_l
     )
 
 
+class SignalAtStep5(RunBookkeeper):
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().count_step(loss, grad_norm)
+        if self.state.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal: the step in progress completes
+
+
 def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path):
-    monitor, model, loader = make_monitor(tmp_path)
+    run = small_run(tmp_path)
+    books = SignalAtStep5(run, StopRequest())
     previous = signal.getsignal(signal.SIGTERM)
-    with monitor.stop, pytest.raises(Stopped) as stop:
-        monitor.stop.defer()  # as once the run writes: record the signal, stop at the next optimizer step
-        batches = monitor.begin_epoch(0, loader)
-        for step, (images, labels) in enumerate(batches, start=1):
-            with monitor.accelerator.accumulate(model):
-                loss, _, grad_norm = training_step(monitor.accelerator, model, monitor.optimizer, F.cross_entropy,
-                                                   images, labels)  # fmt: skip
-            if step == 5:
-                os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal: the step in progress completes
-            monitor.after_step(loss, grad_norm)
+    with books.stop, pytest.raises(Stopped) as stop:
+        books.stop.defer()  # as once the run writes: record the signal, stop at the next optimizer step
+        train_epoch(run, books, epoch=0)
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
     assert stop.value.exit_code == 143
     assert str(stop.value).startswith("stopped by SIGTERM after 0 epochs and 5 batches (optimizer step 5); saved ")
@@ -169,14 +170,14 @@ def test_without_a_scaler_the_first_non_finite_step_is_named_at_the_next_check(t
         fresh.check(state, None)
 
 
-class NaNWeightsAfterStep12(TrainingMonitor):
+class NaNWeightsAfterStep12(RunBookkeeper):
     """Turns one weight tensor into NaN after optimizer step 12, so that step 13's loss and gradients are NaN."""
 
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        super().after_step(loss, grad_norm)
+    def save_or_stop(self) -> None:
+        super().save_or_stop()
         if self.state.global_step == 12:
             with torch.no_grad():
-                self.optimizer.param_groups[0]["params"][0].fill_(float("nan"))
+                self.run.optimizer.param_groups[0]["params"][0].fill_(float("nan"))
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(tiny_dataset, train_here, tmp_path):
@@ -184,7 +185,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(t
     saved."""
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--checkpointing_steps", "4")
-    proc = train_here(args, monitor_type=NaNWeightsAfterStep12)  # 9 steps an epoch: step 13 is epoch 2's 4th
+    proc = train_here(args, bookkeeper_type=NaNWeightsAfterStep12)  # 9 steps an epoch: step 13 is epoch 2's 4th
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: non-finite training loss (nan) or gradient norm (nan) at epoch 2, optimizer step 13")

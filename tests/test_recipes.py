@@ -13,10 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cifar_accel.averaging import EMA_FILE
+from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.config import PRESETS_DIR, TrainConfig, load_config, read_config_file
 from cifar_accel.data import Split, TrainImages
-from cifar_accel.engine import train_one_epoch
 from cifar_accel.errors import InputError
+from cifar_accel.run import Run
+from cifar_accel.state import TrainerState
+from cifar_accel.stopping import StopRequest
+from cifar_accel.train import train_epoch
 from cifar_accel.transforms import TrainingTransform, random_crop_and_flip
 
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args
@@ -55,10 +59,10 @@ def test_alternating_flips_mirror_each_image_in_every_other_epoch(images):
     assert torch.equal(TrainImages(split).__getitems__([5, 2])[0], images[[5, 2]])
 
 
-def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images):
+def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_path):
     """MixUp/CutMix give each image a mix of two classes as its target; the training accuracy still compares the
     predictions with the class labels. The model here always predicts class 0 and does not learn (lr 0)."""
-    config = TrainConfig(mixup_alpha=0.4, cutmix_alpha=1.0, channels_last=False)
+    config = TrainConfig(mixup_alpha=0.4, cutmix_alpha=1.0, channels_last=False, output_dir=str(tmp_path))
     transform = TrainingTransform(config, num_classes=10)
     labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
@@ -75,9 +79,14 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = DataLoader(TensorDataset(images, labels), batch_size=8)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    stats = train_one_epoch(
-        accelerator, model, loader, optimizer, F.cross_entropy, transform, None, torch.zeros(3), lambda *_: None
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    run = Run(
+        config=config, accelerator=accelerator, output_dir=tmp_path, data=None, model=model, optimizer=optimizer,
+        scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader, train_transform=transform, val_loader=None,
+        test_loader=None, eval_transform=None, metric=None, precision={}, state=TrainerState(), last_checkpoint=None,
+        global_batch_size=8, learning_rate=0.0, ema=None,
+    )  # fmt: skip
+    stats = train_epoch(run, RunBookkeeper(run, StopRequest()), epoch=0)
     assert stats["accuracy"] == pytest.approx((labels == 0).float().mean().item())
     assert stats["images"] == 16
 

@@ -1,10 +1,10 @@
-"""The policies around the training loop, per step and per epoch, in one object.
+"""The bookkeeping of one run around its training loop (``train.train_epoch`` shows the order): count each batch
+and optimizer step, guard against non-finite steps, log step telemetry, save checkpoints, honour stop requests,
+and at an epoch's end record, log and save the epoch.
 
-After every batch the monitor counts it; after every optimizer step it notes whether the run is still finite
-(checked on the host before anything is saved, not at every step), logs step telemetry, steps a per-step
-schedule, updates the weight average, saves step checkpoints and honours a stop request (SIGINT, SIGTERM). At an
-epoch's end it steps an epoch-wise schedule, records and logs the epoch, saves a checkpoint and again honours a
-stop request.
+Whether the run is still finite is noted on the device at every optimizer step and read on the host only before
+a checkpoint, at logged steps and at an epoch's end. With several processes a stop request is agreed across
+them at those same points, so no step waits for the device or for the other processes for it.
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from torch import nn
-from torch.utils.data import DataLoader
 
-from cifar_accel.averaging import WeightAverage
 from cifar_accel.checkpoint import save_checkpoint
-from cifar_accel.config import TrainConfig
 from cifar_accel.errors import RunFault, Stopped
-from cifar_accel.optim import steps_per_update
 from cifar_accel.outputs import discard_replaced_run
+from cifar_accel.run import Run
 from cifar_accel.state import EpochRecord, TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import log_epoch, log_step, loss_scale
@@ -60,16 +56,14 @@ class NonFiniteGuard:
     skips a bad step there, so the weights would turn to NaN.
 
     ``record`` notes each optimizer step on the device, without waiting for it; ``check`` waits for the device
-    and raises, naming the first bad step. The monitor checks before every checkpoint, at logged steps and at
+    and raises, naming the first bad step. The bookkeeper checks before every checkpoint, at logged steps and at
     each epoch's end, so nothing non-finite is ever saved. The gradients were averaged over processes, so every
     process stops at the same check.
     """
 
     def __init__(self, device: torch.device, global_step: int) -> None:
         self.step = torch.tensor(float(global_step), device=device)
-        self.first_bad = torch.zeros(
-            3, device=device
-        )  # (step, loss, gradient norm) of the first bad step; step 0: none
+        self.first_bad = torch.zeros(3, device=device)  # (step, loss, gradient norm) of the first bad step; 0: none
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.step += 1
@@ -96,36 +90,19 @@ def _what_to_do(last_checkpoint: Path | None, new_run: str) -> str:
     )
 
 
-class TrainingMonitor:
-    """Per-step and per-epoch policies of one run: ``begin_epoch``, ``after_step`` after every batch, and
-    ``end_epoch``. A SIGINT or SIGTERM recorded by ``stop`` ends the run after the current optimizer step, with
-    a checkpoint. An earlier run set aside by --overwrite_output_dir (``replaced_run``) is deleted once this
-    run's first checkpoint is written."""
+class RunBookkeeper:
+    """Counts a run's batches and optimizer steps, guards it against non-finite steps, logs its step telemetry,
+    saves its checkpoints, honours stop requests (SIGINT, SIGTERM: the run ends after the current optimizer step,
+    with a checkpoint) and records each epoch. An earlier run set aside by --overwrite_output_dir
+    (``replaced_run``) is deleted once this run's first checkpoint is written."""
 
-    def __init__(
-        self,
-        accelerator: Accelerator,
-        config: TrainConfig,
-        state: TrainerState,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        output_dir: Path,
-        stop: StopRequest,
-        last_checkpoint: Path | None = None,
-        replaced_run: Path | None = None,
-        ema: WeightAverage | None = None,
-        model: nn.Module | None = None,
-    ) -> None:
-        self.accelerator, self.config, self.state = accelerator, config, state
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.output_dir = output_dir
-        self.last_checkpoint = last_checkpoint  # the one saved last, or resumed from: what a failure points to
-        self.steps_between_saves = 0 if config.checkpointing_steps == "epoch" else int(config.checkpointing_steps)
-        self.schedule_per_step = steps_per_update(config)
-        self.stop = stop
-        self.replaced_run = replaced_run
-        self.ema, self.model = ema, model  # the weight average follows the (unwrapped) model after each step
-        self.guard = None if accelerator.scaler is not None else NonFiniteGuard(accelerator.device, state.global_step)
+    def __init__(self, run: Run, stop: StopRequest, replaced_run: Path | None = None) -> None:
+        self.run, self.state, self.stop, self.replaced_run = run, run.state, stop, replaced_run
+        self.last_checkpoint = run.last_checkpoint  # the one saved last, or resumed from: what a failure points to
+        steps = run.config.checkpointing_steps
+        self.steps_between_saves = 0 if steps == "epoch" else int(steps)
+        accelerator = run.accelerator
+        self.guard = None if accelerator.scaler else NonFiniteGuard(accelerator.device, run.state.global_step)
         # The epoch under way: this process's (loss sum, correct, images), its start, and the training seconds
         # carried over from before a resume.
         self.totals = torch.zeros(3, device=accelerator.device)
@@ -134,65 +111,77 @@ class TrainingMonitor:
 
     def stops_early(self) -> bool:
         """Whether the validation accuracy has not improved for ``early_stopping_patience`` epochs."""
-        if not self.state.should_stop_early(self.config.early_stopping_patience):
+        patience = self.run.config.early_stopping_patience
+        if not self.state.should_stop_early(patience):
             return False
-        logger.info(f"early stopping: no better validation accuracy for {self.config.early_stopping_patience} epochs")
+        logger.info(f"early stopping: no better validation accuracy for {patience} epochs")
         return True
 
-    def begin_epoch(self, epoch: int, train_loader: DataLoader) -> Iterable:
+    def begin_epoch(self, epoch: int) -> Iterable:
         """Start the clock and the totals of ``epoch`` (counted from 0); the batches still to train on. A run
         resumed mid-epoch skips the batches it already trained on and carries on their totals and time."""
+        accelerator, state, loader = self.run.accelerator, self.state, self.run.train_loader
         self.epoch_start = time.perf_counter()
-        if self.state.epoch_learning_rate is None:  # an epoch starting now (or resumed from an older checkpoint)
-            self.state.epoch_learning_rate = self.scheduler.get_last_lr()[0]
-        train_loader.set_epoch(epoch)
-        self.totals = torch.zeros(3, device=self.accelerator.device)
-        if self.state.epoch_totals:  # a resumed epoch's first part: each process carries on its own sums
-            self.totals += torch.tensor(
-                self.state.epoch_totals[self.accelerator.process_index], device=self.totals.device
-            )
-        self.seconds_before = self.state.epoch_train_seconds
-        if self.state.step_in_epoch:
-            return self.accelerator.skip_first_batches(train_loader, self.state.step_in_epoch)
-        return train_loader
+        if state.epoch_learning_rate is None:  # an epoch starting now (or resumed from an older checkpoint)
+            state.epoch_learning_rate = self.run.scheduler.get_last_lr()[0]
+        loader.set_epoch(epoch)
+        self.totals = torch.zeros(3, device=accelerator.device)
+        if state.epoch_totals:  # a resumed epoch's first part: each process carries on its own sums
+            self.totals += torch.tensor(state.epoch_totals[accelerator.process_index], device=self.totals.device)
+        self.seconds_before = state.epoch_train_seconds
+        return accelerator.skip_first_batches(loader, state.step_in_epoch) if state.step_in_epoch else loader
 
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        """After every batch. On optimizer steps (not on accumulation-only batches): the non-finite guard, step
-        telemetry every ``logging_steps``, a checkpoint every ``checkpointing_steps``, and a stop request."""
+    def count_batch(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a batch to the epoch's totals. The accuracy counts against the class labels, also when MixUp or
+        CutMix train on mixed targets."""
+        self.totals[0] += loss.float() * len(labels)
+        self.totals[1] += (logits.argmax(1) == labels).sum()
+        self.totals[2] += len(labels)
+        self.state.step_in_epoch += 1
+
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Count an optimizer step, and note whether it stayed finite (or, with a GradScaler, was skipped)."""
         state = self.state
-        state.step_in_epoch += 1
-        if not self.accelerator.sync_gradients:
-            return
         state.global_step += 1
         if self.guard is None:
-            count_skipped_step(self.accelerator, state, self.config.max_consecutive_skipped_steps, self.last_checkpoint)
+            count_skipped_step(self.run.accelerator, state, self.run.config.max_consecutive_skipped_steps,
+                               self.last_checkpoint)  # fmt: skip
         else:
             self.guard.record(loss, grad_norm)
-        if state.global_step % self.config.logging_steps == 0:
+
+    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Step telemetry every ``logging_steps`` optimizer steps, with the learning rate the step used."""
+        if self.state.global_step % self.run.config.logging_steps == 0:
             self.check_finite()  # logging reads the loss on the host anyway
-            log_step(self.accelerator, state, loss, grad_norm, self.optimizer.param_groups[0]["lr"])
-        if self.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
-            self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update(self.model)
-        stopping = self.stop.requested(self.accelerator)
+            log_step(self.run.accelerator, self.state, loss, grad_norm, self.run.optimizer.param_groups[0]["lr"])
+
+    def save_or_stop(self) -> None:
+        """A checkpoint every ``checkpointing_steps`` optimizer steps, or when a stop was requested (then stop).
+        An epoch's last step is saved at the epoch's end, after the epoch is logged: a checkpoint taken before
+        would make its resume log the epoch a second time."""
+        accelerator, state = self.run.accelerator, self.state
         due = self.steps_between_saves and state.global_step % self.steps_between_saves == 0
-        # An epoch's last step is saved at the epoch's end, after the epoch is logged: a checkpoint taken before
-        # would make its resume log the epoch a second time.
-        if stopping or (due and not self.accelerator.gradient_state.end_of_dataloader):
-            state.epoch_totals = self.accelerator.gather(self.totals.unsqueeze(0)).tolist()
+        due = due and not accelerator.gradient_state.end_of_dataloader
+        logged = state.global_step % self.run.config.logging_steps == 0
+        # One process reads its own flag at no cost; several agree on it where they save or log anyway.
+        stopping = self.stop.requested(accelerator) if due or logged or accelerator.num_processes == 1 else False
+        if stopping or due:
+            state.epoch_totals = accelerator.gather(self.totals.unsqueeze(0)).tolist()
             state.epoch_train_seconds = self.seconds_before + time.perf_counter() - self.epoch_start
             self.save()
             if stopping:
                 raise self.stopped()
 
+    def epoch_training(self) -> dict[str, float]:
+        """The epoch's training loss, accuracy and images, summed over all processes, and its training seconds."""
+        loss_sum, correct, seen = self.run.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()
+        seconds = self.seconds_before + time.perf_counter() - self.epoch_start
+        return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
+
     def end_epoch(self, train: dict[str, float], val: dict[str, float] | None) -> EpochRecord:
-        """Step an epoch-wise schedule, record and log the epoch (``val`` is None without validation), save a
-        checkpoint, honour a stop request."""
+        """Record and log the epoch (``val`` is None without validation), save a checkpoint, honour a stop
+        request."""
         self.check_finite()
-        if not self.schedule_per_step:
-            self.scheduler.step()
-        train_seconds = self.seconds_before + train["seconds"]
         record = EpochRecord(
             epoch=self.state.epoch + 1,
             train_loss=train["loss"],
@@ -202,16 +191,16 @@ class TrainingMonitor:
             val_samples=val["samples"] if val else 0,
             learning_rate=self.state.epoch_learning_rate,
             train_images=train["images"],
-            train_seconds=train_seconds,
-            train_images_per_second=train["images"] / train_seconds,
+            train_seconds=train["seconds"],
+            train_images_per_second=train["images"] / train["seconds"],
             epoch_seconds=time.perf_counter() - self.epoch_start,
             skipped_steps=self.state.skipped_steps,
-            loss_scale=loss_scale(self.accelerator),
+            loss_scale=loss_scale(self.run.accelerator),
         )
         self.state.record_epoch(record)
-        log_epoch(self.accelerator, record, self.state.global_step)
+        log_epoch(self.run.accelerator, record, self.state.global_step)
         self.save()
-        if self.stop.requested(self.accelerator):
+        if self.stop.requested(self.run.accelerator):
             raise self.stopped()
         return record
 
@@ -221,11 +210,12 @@ class TrainingMonitor:
 
     def save(self) -> Path:
         self.check_finite()
+        run = self.run
         self.last_checkpoint = save_checkpoint(
-            self.accelerator, self.output_dir, self.state, keep=self.config.checkpoints_total_limit, ema=self.ema
+            run.accelerator, run.output_dir, self.state, keep=run.config.checkpoints_total_limit, ema=run.ema
         )
-        if self.replaced_run is not None and self.accelerator.is_main_process:
-            discard_replaced_run(self.output_dir)
+        if self.replaced_run is not None and run.accelerator.is_main_process:
+            discard_replaced_run(run.output_dir)
             self.replaced_run = None
         return self.last_checkpoint
 
