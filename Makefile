@@ -7,7 +7,7 @@ DATA ?= $(if $(wildcard $(LOCAL_DATA)),$(LOCAL_DATA),uoft-cs/cifar10)
 PROFILE ?= accelerate_configs/cpu.yaml
 ARGS ?=
 
-.PHONY: install train test lint
+.PHONY: install train test test-fast lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ train: install
 
 test: install
 	$(VENV)/bin/python -m pytest
+
+test-fast: install  # every test that trains nothing, and one tiny end-to-end run (under a minute on 2 cores)
+	$(VENV)/bin/python -m pytest -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -36,7 +36,9 @@ def from_json(cls: type[T], data: object, invalid: Invalid, where: str = "") -> 
         raise invalid(f"{where.rstrip('.') or 'the file'} must be a JSON object, not {_short(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # noqa: E501
+    required = {
+        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }  # noqa: E501
     if unknown := sorted(map(str, set(data) - set(fields))):
         raise invalid(f"unexpected keys in {where.rstrip('.') or 'the file'}: {', '.join(unknown)[:200]}")
     if missing := sorted(required - set(data)):

@@ -1,6 +1,6 @@
 """Write docs/flags.md, the flag reference, from the config's field metadata.
 
-    python scripts/write_flag_reference.py
+python scripts/write_flag_reference.py
 """
 
 from pathlib import Path

@@ -32,6 +32,20 @@ CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
 CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
+# A test that uses one of these trains a model (on the tiny dataset, in this process or in a subprocess) or
+# starts a subprocess: it belongs to the slow lane, unless it is the fast lane's one end-to-end run.
+TRAINING_FIXTURES = {"tiny_dataset", "cli_env", "train_here"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the slow lane; ``pytest -m "not slow"`` runs the rest, every test that trains nothing and one tiny
+    end-to-end run (marked ``end_to_end``)."""
+    for item in items:
+        trains = TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())) or "test_learning" in item.nodeid
+        if trains and not item.get_closest_marker("end_to_end"):
+            item.add_marker(pytest.mark.slow)
+
+
 def make_images(count: int, seed: int) -> tuple[list[Image.Image], list[int]]:
     """Learnable 32x32 RGB images: each class has its own mean colour (the same in every split), plus noise."""
     palette = np.random.default_rng(1234).integers(30, 226, size=(len(CLASS_NAMES), 3))

@@ -16,19 +16,20 @@ from safetensors.torch import load_file
 from cifar_accel import compare, evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.errors import InputError, run_cli
-from cifar_accel.state import read_results
+from cifar_accel.state import read_results as read_run_results
 
 from conftest import make_images, read_results, tiny_args, train_in_process
 
-# Each shape: the flags of a short run on the tiny dataset (two epochs, a checkpoint every 4 of its 9 or so
-# optimizer steps). The presets keep what makes them what they are (no validation, TTA, Muon or EMA, per-step
-# schedules) at a batch the tiny dataset can fill.
+# Each shape: the flags of a short run on the tiny dataset (two epochs, or one without validation; a checkpoint
+# every 4 of its 9 or so optimizer steps). The presets keep what makes them what they are (no validation, TTA,
+# Muon or EMA, per-step schedules) at a batch the tiny dataset can fill.
 SHAPES = {
     "default": [],
     "default_ema": ["--ema_decay", "0.9"],
-    "fast": ["--config", "fast", "--per_device_train_batch_size", "64", "--per_device_eval_batch_size", "50"],
+    "fast": ["--config", "fast", "--per_device_train_batch_size", "64", "--per_device_eval_batch_size", "50",
+             "--num_train_epochs", "1"],
     "resnet18": ["--config", "resnet18", "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "50",
-                 "--max_train_samples", "96"],
+                 "--max_train_samples", "64", "--num_train_epochs", "1"],
 }  # fmt: skip
 
 
@@ -190,11 +191,11 @@ def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, t
     assert set(written) == RESULTS_KEYS | {"schema_version"} and written["schema_version"] == 1
     older = {k: v for k, v in written.items() if k != "schema_version"}  # as written before the version was
     (tmp_path / "results.json").write_text(json.dumps(older))
-    results = read_results(tmp_path / "results.json")
+    results = read_run_results(tmp_path / "results.json")
     assert results.schema_version == 1 and results.history[0].epoch == 1
     assert results.to_dict() == written
     for damage in ({**written, "test_accuracy": 1.5}, {**written, "history": [{"epoch": 1}]}, [written]):
         (tmp_path / "results.json").write_text(json.dumps(damage))
         with pytest.raises(InputError, match="is not the results.json of a finished run"):
-            read_results(tmp_path / "results.json")
+            read_run_results(tmp_path / "results.json")
         assert compare.finished_results(tmp_path) is None  # compare trains such a run again

@@ -102,10 +102,10 @@ def test_only_the_runs_own_files_are_pushed_and_the_log_lists_them(run_with_priv
         ([], "my run", "the output folder's name (the default id), 'my run', is not a Hub repository id"),
     ],
 )
-def test_a_hub_id_the_hub_would_refuse_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path, flags, folder,
+def test_a_hub_id_the_hub_would_refuse_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, flags, folder,
                                                                   message):  # fmt: skip
     out = tmp_path / folder
-    proc = run_cli([*tiny_args(tiny_dataset, out, "--push_to_hub", "--hub_token", "hf_x"), *flags], cli_env)
+    proc = train_here([*tiny_args(tiny_dataset, out, "--push_to_hub", "--hub_token", "hf_x"), *flags])
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: {message}") and "pass --hub_model_id 'name' or 'user/name'" in line

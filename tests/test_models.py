@@ -70,7 +70,6 @@ def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_biases
     assert others["nesterov"] and others["momentum"] == 0.85
 
 
-
 @pytest.mark.parametrize("name", ["fast_net", "resnet9", "resnet18"])
 def test_each_model_learns_above_chance_on_a_small_slice(tiny_dataset, train_here, tmp_path, name):
     out = tmp_path / "run"

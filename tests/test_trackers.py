@@ -128,19 +128,20 @@ def test_a_run_killed_and_resumed_continues_its_mlflow_run_holding_each_step_onc
 
 
 @pytest.mark.parametrize("report_to", ["mlflow", "all"])
-def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_dataset, cli_env, tmp_path,
+def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_dataset, train_here, tmp_path,
                                                                            monkeypatch, report_to):  # fmt: skip
     """MLflow 3 on its own would pick a sqlite file in the working folder, which mlflow-skinny (the package's
     extra) cannot open, and refuse a file store without MLFLOW_ALLOW_FILE_STORE."""
-    env = {k: v for k, v in cli_env.items() if not k.startswith("MLFLOW_")}
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):  # unset here, and as they were afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "cifar_accel.train", *tiny_args(tiny_dataset, out, "--report_to",
-                          report_to)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = train_here(tiny_args(tiny_dataset, out, "--report_to", report_to))
     assert proc.returncode == 0, proc.stderr
     store = out / "logs" / "mlruns"
     assert f"MLFLOW_TRACKING_URI is not set, so the run uses the file store {store.resolve().as_uri()}" in proc.stdout
     assert not (tmp_path / "mlflow.db").exists()
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader of the store
     client = MlflowClient(tracking_uri=store.as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("cifar_accel").experiment_id])
     (accuracy,) = client.get_metric_history(run.info.run_id, "test/accuracy")
@@ -158,15 +159,13 @@ def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_
     ],
     ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file"],
 )
-def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path, uri, allow,
-                                                                     message):  # fmt: skip
+def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, monkeypatch,
+                                                                     uri, allow, message):  # fmt: skip
     (tmp_path / "a_file").write_text("not a folder")
-    env = {k: v for k, v in cli_env.items() if not k.startswith("MLFLOW_")}
-    env["MLFLOW_TRACKING_URI"] = uri.format(tmp=tmp_path)
-    if allow:
-        env["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(tmp=tmp_path))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true" if allow else "")
     out = tmp_path / "run"
-    proc = run_cli(tiny_args(tiny_dataset, out, "--report_to", "tensorboard,mlflow"), env)
+    proc = train_here(tiny_args(tiny_dataset, out, "--report_to", "tensorboard,mlflow"))
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: MLFLOW_TRACKING_URI=") and message in line

@@ -18,7 +18,7 @@ from conftest import read_results, run_cli, tiny_args
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
 
 
-@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("no", marks=pytest.mark.end_to_end), "bf16"])
 def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset, cli_env, tmp_path, precision):
     out = tmp_path / "run"
     proc = run_cli(tiny_args(tiny_dataset, out, "--mixed_precision", precision, "--max_grad_norm", "1.0"), cli_env)
