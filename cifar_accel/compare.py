@@ -18,6 +18,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.config import TrainConfig, load_config, read_config_file
+from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
 from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
@@ -36,12 +37,7 @@ from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
 
-PRECISIONS = ("no", "fp16", "bf16")
-# Fields that say where a run goes and how it starts, not what it computes.
-RUN_PLUMBING = (
-    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "report_to", "project_name", "run_name",
-    "push_to_hub", "hub_model_id", "hub_token", "hub_private_repo",
-)  # fmt: skip
+PRECISIONS = typing.get_args(Precision)
 
 
 def build_parser() -> ArgumentParser:
@@ -65,7 +61,7 @@ def same_config(run_dir: Path, config: TrainConfig) -> bool:
     except InputError:  # missing or damaged: not a run of this config
         return False
     wanted = config.to_dict()
-    return all(saved.get(key) == value for key, value in wanted.items() if key not in RUN_PLUMBING)
+    return all(saved.get(key) == value for key, value in wanted.items() if not FIELDS[key].metadata["plumbing"])
 
 
 def finished_results(run_dir: Path) -> RunResults | None:

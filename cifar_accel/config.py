@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import math
 import os
 import re
-import reprlib
 import stat
 import types
 import typing
@@ -25,10 +23,13 @@ from typing import Any, Literal
 import yaml
 
 from cifar_accel.errors import ArgumentParser, InputError
+from cifar_accel.models import MODELS
+from cifar_accel.schema import check_value, quote
 
 Precision = Literal["no", "fp16", "bf16"]
 TestTimeAugmentation = Literal["none", "flip", "flip_translate"]
 PER_STEP_SCHEDULES = ("linear", "cosine_steps")  # the lr_scheduler_type values that step per optimizer step
+ModelName = Literal[tuple(MODELS)]  # the registry's names (cifar_accel/models)
 PRESETS_DIR = Path(__file__).parent / "configs"  # the packaged config files, selectable by name with --config
 DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
 CONFIG_HEADER = "# The effective config of a cifar_accel training run"  # how a run's config.yaml is told from a user's
@@ -45,15 +46,19 @@ def _field(
     resume: Resume,
     aliases: tuple[str, ...] = (),
     pattern: tuple[str, str] | None = None,
+    plumbing: bool = False,
     **bounds: float,
 ) -> Any:
-    """A config field: help text, what a resume may do with it, extra flag names, bounds (ge, gt, le, lt), and
-    for strings a (regular expression, description) pair the value must match.
+    """A config field: help text, what a resume may do with it, extra flag names, bounds (ge, gt, le, lt), for
+    strings a (regular expression, description) pair the value must match, and whether it is plumbing.
 
     ``resume="match"`` puts the field in the checkpoint's fingerprint: it changes shapes, the data split or
     order, or what the restored optimizer and scheduler compute, so a resume with another value is refused.
+    ``plumbing=True``: the field says where a run goes and how it starts, not what it computes, so two runs
+    that differ only there are the same experiment (``compare`` reuses one for the other).
     """
-    metadata = {"help": help, "resume": resume, "aliases": aliases, "pattern": pattern, "bounds": bounds}
+    metadata = {"help": help, "resume": resume, "aliases": aliases, "pattern": pattern, "bounds": bounds,
+                "plumbing": plumbing}  # fmt: skip
     return field(default=default, metadata=metadata)
 
 
@@ -109,9 +114,7 @@ class TrainConfig:
     )  # fmt: skip
 
     # Model and optimisation
-    model_name: Literal["simple_cnn", "fast_net", "resnet9", "resnet18"] = _field(
-        "simple_cnn", "Model architecture.", resume="match", aliases=("--model",)
-    )
+    model_name: ModelName = _field("simple_cnn", "Model architecture.", resume="match", aliases=("--model",))
     num_train_epochs: int = _field(
         30, "Number of training epochs. A resume may raise it to extend a finished run (not with the cosine schedule, "
         "whose period it is).", resume="may_change", aliases=("--epochs",), ge=1,
@@ -204,14 +207,20 @@ class TrainConfig:
 
     # Outputs
     output_dir: str = _field(
-        "outputs/cifar10", "Where checkpoints, logs, model.safetensors and results.json go.", resume="may_change"
+        "outputs/cifar10",
+        "Where checkpoints, logs, model.safetensors and results.json go.",
+        resume="may_change",
+        plumbing=True,
     )
     overwrite_output_dir: bool = _field(
-        False, "Allow writing into a folder that already holds another run's results.", resume="may_change"
+        False,
+        "Allow writing into a folder that already holds another run's results.",
+        resume="may_change",
+        plumbing=True,
     )
     resume_from_checkpoint: str | None = _field(
         None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", resume="may_change",
-        aliases=("--resume",),
+        plumbing=True, aliases=("--resume",),
     )  # fmt: skip
     checkpointing_steps: str = _field(
         "epoch", "Save a checkpoint every N optimizer steps, or 'epoch'; one is always saved at each epoch's end.",
@@ -227,28 +236,32 @@ class TrainConfig:
     report_to: str = _field(
         "tensorboard", "Trackers: tensorboard, all (every installed one), none, or Accelerate's tracker names "
         "separated by commas (wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio).", resume="may_change",
+        plumbing=True,
     )  # fmt: skip
     project_name: str = _field(
         "cifar_accel", "The trackers' project (MLflow experiment, W&B project); TensorBoard writes to "
-        "<output_dir>/logs/<project_name>.", resume="may_change",
+        "<output_dir>/logs/<project_name>.", resume="may_change", plumbing=True,
         pattern=(r"[\w-][\w.-]*", "letters, digits, '.', '-' and '_', not starting with '.'"),
     )  # fmt: skip
     run_name: str | None = _field(
         None, "The run's name in the trackers and its model card; default: the output folder's name.",
-        resume="may_change",
+        resume="may_change", plumbing=True,
     )  # fmt: skip
     push_to_hub: bool = _field(
         False, "Upload the output folder (weights, config, labels, model card, logs; not the checkpoints) to the "
-        "Hugging Face Hub once everything is saved locally.", resume="may_change",
+        "Hugging Face Hub once everything is saved locally.", resume="may_change", plumbing=True,
     )  # fmt: skip
     hub_model_id: str | None = _field(
-        None, "The Hub repository, 'name' or 'user/name'; default: the output folder's name.", resume="may_change"
+        None,
+        "The Hub repository, 'name' or 'user/name'; default: the output folder's name.",
+        resume="may_change",
+        plumbing=True,
     )
     hub_token: str | None = _field(
         None, "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs or trackers.",
-        resume="may_change",
+        resume="may_change", plumbing=True,
     )  # fmt: skip
-    hub_private_repo: bool = _field(False, "Create the Hub repository as private.", resume="may_change")
+    hub_private_repo: bool = _field(False, "Create the Hub repository as private.", resume="may_change", plumbing=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The values, as config.yaml, the log and the trackers show them: without the Hub token."""
@@ -300,34 +313,19 @@ def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _check_value(name: str, value: Any, origin: str) -> Any:
-    """Return ``value`` as the field's type, or raise InputError naming the field and what it accepts."""
-    kind, choices, optional = _unwrap(_TYPES[name])
-    if value is None:
-        if optional:
-            return None
+def check_field(name: str, value: Any, origin: str) -> Any:
+    """Return ``value`` as the field's type, or raise InputError naming ``origin``, the field and what it
+    accepts (``schema.check_value``, with the field's bounds, and its pattern for strings)."""
+    _, _, optional = _unwrap(_TYPES[name])
+    if value is None and not optional:
         raise InputError(f"{origin}: '{name}' must not be empty")
     pattern = FIELDS[name].metadata["pattern"]
     if pattern and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # a number of steps written without quotes in YAML
-    if choices is not None and value not in choices:
-        raise InputError(f"{origin}: '{name}' must be one of {', '.join(map(str, choices))}, not {_quote(value)}")
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise InputError(f"{origin}: '{name}' must be {kind.__name__}, not {type(value).__name__} ({_quote(value)})")
-    if kind is float and not math.isfinite(value):
-        raise InputError(f"{origin}: '{name}' must be a finite number, not {_quote(value)}")
-    if kind is str and not value.strip():
-        raise InputError(f"{origin}: '{name}' must not be an empty string")
-    if pattern and not re.fullmatch(pattern[0], value):
-        raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {_quote(value)}")
-    for bound, limit in FIELDS[name].metadata["bounds"].items():
-        fails = {"ge": value < limit, "gt": value <= limit, "le": value > limit, "lt": value >= limit}[bound]
-        if fails:
-            symbol = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[bound]
-            raise InputError(f"{origin}: '{name}' must be {symbol} {limit}, got {_quote(value)}")
+    value = check_value(_TYPES[name], value, name, lambda problem: InputError(f"{origin}: {problem}"),
+                        FIELDS[name].metadata["bounds"])  # fmt: skip
+    if pattern and value is not None and not re.fullmatch(pattern[0], value):
+        raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
     return value
 
 
@@ -335,19 +333,6 @@ MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; anything nea
 MAX_YAML_DEPTH = 8  # our keys take scalars; nesting only ever comes from a wrong file
 MAX_YAML_ALIASES = 100
 MAX_YAML_VALUES = 10_000  # keys and values, aliases expanded; a config has about 120
-
-
-_SHORT_REPR = reprlib.Repr()
-_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 2, 60, 60
-_SHORT_REPR.maxtuple = _SHORT_REPR.maxlist = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
-
-
-def _quote(value: object, limit: int = 80) -> str:
-    """A short ``repr(value)`` for error messages that must stay one short line: its work is bounded too (a YAML
-    alias can make a small file a value with billions of elements), since ``reprlib`` stops at a few elements a
-    level and a few levels."""
-    text = _SHORT_REPR.repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
@@ -408,7 +393,7 @@ def config_path(spec: str) -> Path:
         return PRESETS_DIR / f"{spec}.yaml"
     if not Path(spec).exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
         raise InputError(
-            f"--config '{_quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "
+            f"--config '{quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "
             "preset's name or the path of a YAML file"
         )
     return Path(spec)
@@ -448,8 +433,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     values = {}
     for key, value in data.items():
         if key not in FIELDS:
-            raise InputError(f"config file {path}: unknown key {_quote(str(key))}{_suggest(str(key)[:100], FIELDS)}")
-        values[key] = _check_value(key, value, f"config file {path}")
+            raise InputError(f"config file {path}: unknown key {quote(str(key))}{_suggest(str(key)[:100], FIELDS)}")
+        values[key] = check_field(key, value, f"config file {path}")
     return values
 
 
@@ -485,7 +470,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
 
     values = {**from_file, **cli}
     for name, value in cli.items():
-        values[name] = _check_value(name, value, f"--{name}")
+        values[name] = check_field(name, value, f"--{name}")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
     if launcher is not None and launcher not in typing.get_args(Precision):
         raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")

@@ -18,7 +18,7 @@ from typing import Any
 import datasets
 from accelerate import Accelerator
 
-from cifar_accel.config import TestTimeAugmentation
+from cifar_accel.config import Precision, TestTimeAugmentation, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, run_cli
@@ -47,7 +47,7 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: the launcher's, or no.")
+    parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: the launcher's, or no.")
     parser.add_argument("--tta", choices=typing.get_args(TestTimeAugmentation), default="none",
                         help="Test-time augmentation: none (default), flip, or flip_translate.")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
@@ -88,9 +88,9 @@ def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], ti
 
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
-    for flag in ("per_device_eval_batch_size", "max_eval_samples"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise InputError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("per_device_eval_batch_size", "max_eval_samples"):  # the training config's fields and bounds
+        if getattr(args, flag) is not None:
+            check_field(flag, getattr(args, flag), f"--{flag}")
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     datasets.disable_progress_bars()
     trained = load_model(args.model)

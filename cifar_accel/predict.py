@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from cifar_accel.config import Precision
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
 from cifar_accel.inference import load_model
@@ -33,7 +35,7 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
     parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Default: no.")
+    parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: no.")
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser

@@ -9,7 +9,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cifar_accel.config import FIELDS, TrainConfig, _check_value, load_config
+from cifar_accel.config import FIELDS, TrainConfig, check_field, load_config
 from cifar_accel.errors import run_cli
 
 values = st.recursive(
@@ -36,7 +36,7 @@ def test_any_yaml_mapping_loads_valid_or_exits_2_with_one_line(mapping, capsys, 
         (config,) = loaded
         assert stderr == ""
         for name in FIELDS:
-            assert _check_value(name, getattr(config, name), "loaded") == getattr(config, name)
+            assert check_field(name, getattr(config, name), "loaded") == getattr(config, name)
         for key, value in mapping.items():
             expected = "no" if key == "mixed_precision" and value is None else value  # unset: the default, 'no'
             assert getattr(config, key) in (expected, str(expected))  # a step count may be written as a number
