@@ -144,8 +144,9 @@ class RunBookkeeper:
         state = self.state
         state.global_step += 1
         if self.guard is None:
-            count_skipped_step(self.run.accelerator, state, self.run.config.max_consecutive_skipped_steps,
-                               self.last_checkpoint)  # fmt: skip
+            count_skipped_step(
+                self.run.accelerator, state, self.run.config.max_consecutive_skipped_steps, self.last_checkpoint
+            )
         else:
             self.guard.record(loss, grad_norm)
 

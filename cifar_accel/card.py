@@ -61,7 +61,7 @@ def card_metadata(config: TrainConfig, results: RunResults, run_name: str) -> Mo
             "accelerate",
             config.model_name,
             f"precision-{results.mixed_precision}",
-        ],  # fmt: skip
+        ],
         datasets=None if local else [config.dataset_name],
         metrics=["accuracy"],
         model_name=run_name,
@@ -84,9 +84,11 @@ def model_card(config: TrainConfig, results: RunResults, run_name: str, curves: 
     """The card of a finished run, from its config and results.json."""
     hardware = results.hardware
     machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
-    tested = (f"the weights of epoch {results.tested_epoch}, the best validation accuracy "
-              f"({results.best_val_accuracy:.4f})" if results.validation else
-              f"the weights of the last epoch, {results.tested_epoch} (no validation split)")  # fmt: skip
+    tested = (
+        f"the weights of epoch {results.tested_epoch}, the best validation accuracy ({results.best_val_accuracy:.4f})"
+        if results.validation
+        else f"the weights of the last epoch, {results.tested_epoch} (no validation split)"
+    )
     averaged = f", averaged (EMA, decay {config.ema_decay})" if config.ema_decay else ""
     curves_text = f"![training curves]({CURVES_FILE})" if curves else "(matplotlib was not installed: no curves.png)"
     body = f"""

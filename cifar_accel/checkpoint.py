@@ -196,8 +196,11 @@ def check_checkpoint_files(
         if not file.is_file():
             raise InputError(f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint")
         try:
-            tensors = safetensors.torch.load_file(file) if name.endswith(".safetensors") else load_pickled(
-                file, weights_only=True)  # fmt: skip
+            tensors = (
+                safetensors.torch.load_file(file)
+                if name.endswith(".safetensors")
+                else load_pickled(file, weights_only=True)
+            )
         except Exception as err:  # noqa: BLE001 - torch and safetensors raise many kinds for a bad file
             raise InputError(
                 f"checkpoint '{path}': {name} cannot be read as plain tensors and numbers ({type(err).__name__}: "
@@ -223,8 +226,10 @@ def value_problem(name: str, saved: object, state: TrainerState) -> str | None:
         updates = saved.get("n_averaged")
         counted = None if updates is None or updates.numel() != 1 or updates.is_floating_point() else int(updates)
         if counted != state.global_step:
-            return (f"counts {counted} updates of the weight average, but the checkpoint is of optimizer step "
-                    f"{state.global_step}, and the average is updated at each")  # fmt: skip
+            return (
+                f"counts {counted} updates of the weight average, but the checkpoint is of optimizer step "
+                f"{state.global_step}, and the average is updated at each"
+            )
     return None
 
 

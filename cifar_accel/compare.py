@@ -47,8 +47,13 @@ def build_parser() -> ArgumentParser:
         epilog="All other flags are passed to cifar_accel.train (see its --help).",
         allow_abbrev=False,
     )
-    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
-                        help="Precisions to compare (default: all; those this machine lacks are skipped).")  # fmt: skip
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        default=list(PRECISIONS),
+        help="Precisions to compare (default: all; those this machine lacks are skipped).",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="One run per seed (default: 42).")
     parser.add_argument("--output_dir", type=non_empty, default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
@@ -174,8 +179,11 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
         epochs = range(1, s["epochs"] + 1)
         acc.plot(epochs, s[accuracy], marker="o", label=s["precision"])
         loss.plot(epochs, s["train_loss_per_epoch"], marker="o", label=s["precision"])
-    acc.set(title="validation accuracy" if validated else "training accuracy (no validation)", xlabel="epoch",
-            ylabel="accuracy")  # fmt: skip
+    acc.set(
+        title="validation accuracy" if validated else "training accuracy (no validation)",
+        xlabel="epoch",
+        ylabel="accuracy",
+    )
     loss.set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
     for ax in (acc, loss):
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -187,8 +195,12 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
 
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
     names = [s["precision"] for s in summaries]
-    time_ax.bar(names, [s["seconds_per_epoch"]["mean"] for s in summaries],
-                yerr=[s["seconds_per_epoch"]["std"] for s in summaries], color="tab:blue")  # fmt: skip
+    time_ax.bar(
+        names,
+        [s["seconds_per_epoch"]["mean"] for s in summaries],
+        yerr=[s["seconds_per_epoch"]["std"] for s in summaries],
+        color="tab:blue",
+    )
     memory_ax.bar(names, [s["peak_memory_mib"]["mean"] for s in summaries], color="tab:orange")
     time_ax.set(title="seconds per epoch (lower is faster)", ylabel="s")
     memory_ax.set(title=f"peak memory ({summaries[0]['peak_memory_measure']})", ylabel="MiB")
@@ -225,11 +237,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}`",
         "",
         f"- Hardware: {hw.get('gpu') or hw['cpu']} ({hw['cpu_cores']} CPU cores; torch CPU capability "
-        f"{hw['torch_cpu_capability']}" + (f", native bf16: {hw['cpu_native_bf16']}" if "cpu_native_bf16" in hw else "")
+        f"{hw['torch_cpu_capability']}"
+        + (f", native bf16: {hw['cpu_native_bf16']}" if "cpu_native_bf16" in hw else "")
         + f"); device `{report['precisions'][0]['device']}`",
         f"- Software: {versions}",
         f"- Config: {report['config_summary']}; seeds {', '.join(map(str, report['seeds']))}",
-    ]  # fmt: skip
+    ]
     lines += [f"- Skipped `{name}`: {reason}" for name, reason in report["skipped"].items()]
     lines += [
         "",
@@ -248,8 +261,9 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += ["", f"Peak memory is the {report['precisions'][0]['peak_memory_measure']}.", ""]
     lines += ["Dtypes one batch produced (from each run's precision report):", ""]
-    lines += [f"- `{s['precision']}`: " + ", ".join(f"{k} {v}" for k, v in s["dtypes"].items())
-              for s in report["precisions"]]  # fmt: skip
+    lines += [
+        f"- `{s['precision']}`: " + ", ".join(f"{k} {v}" for k, v in s["dtypes"].items()) for s in report["precisions"]
+    ]
     lines += [""] + [f"![{name}]({name})" for name in report["plots"]]
     return "\n".join(lines) + "\n"
 

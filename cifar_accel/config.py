@@ -57,8 +57,14 @@ def _field(
     ``plumbing=True``: the field says where a run goes and how it starts, not what it computes, so two runs
     that differ only there are the same experiment (``compare`` reuses one for the other).
     """
-    metadata = {"help": help, "resume": resume, "aliases": aliases, "pattern": pattern, "bounds": bounds,
-                "plumbing": plumbing}  # fmt: skip
+    metadata = {
+        "help": help,
+        "resume": resume,
+        "aliases": aliases,
+        "pattern": pattern,
+        "bounds": bounds,
+        "plumbing": plumbing,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -77,10 +83,14 @@ class TrainConfig:
         None, "Label column; default: the first ClassLabel column, else 'label'.", resume="match"
     )
     val_ratio: float = _field(
-        0.1, "Fraction of the train split held out for validation (seeded); 0 trains on all of it, with no "
-        "validation and no early stopping, and tests the final weights.", resume="match",
-        aliases=("--train_val_split",), ge=0, lt=1,
-    )  # fmt: skip
+        0.1,
+        "Fraction of the train split held out for validation (seeded); 0 trains on all of it, with no "
+        "validation and no early stopping, and tests the final weights.",
+        resume="match",
+        aliases=("--train_val_split",),
+        ge=0,
+        lt=1,
+    )
     max_train_samples: int | None = _field(
         None, "Use only the first N examples of the train split (before the validation split).", resume="match", ge=1
     )
@@ -91,119 +101,167 @@ class TrainConfig:
         True, "Augment the training batches as the next flags say; --no-augment turns all of it off.", resume="match"
     )
     crop_padding: int = _field(
-        4, "Random translation: pad by N pixels and crop back to 32x32 at a random place; 0 turns it off.",
-        resume="match", ge=0, le=16,
-    )  # fmt: skip
+        4,
+        "Random translation: pad by N pixels and crop back to 32x32 at a random place; 0 turns it off.",
+        resume="match",
+        ge=0,
+        le=16,
+    )
     padding_mode: Literal["zeros", "reflect"] = _field(
         "zeros", "What the translation shifts in: black pixels, or the image's reflection.", resume="match"
     )
     flip: Literal["random", "alternate", "none"] = _field(
-        "random", "Horizontal flip: each image with probability 1/2 each time, or mirrored in every other epoch "
-        "from a random first epoch (alternate), or never.", resume="match",
-    )  # fmt: skip
+        "random",
+        "Horizontal flip: each image with probability 1/2 each time, or mirrored in every other epoch "
+        "from a random first epoch (alternate), or never.",
+        resume="match",
+    )
     color_jitter: bool = _field(
         True, "Colour jitter (brightness, contrast, saturation 0.2, hue 0.1) on training batches.", resume="match"
     )
     mixup_alpha: float = _field(
-        0.0, "MixUp: mix pairs of training images and their labels with a Beta(alpha, alpha) weight; 0 turns it off.",
-        resume="match", ge=0,
-    )  # fmt: skip
+        0.0,
+        "MixUp: mix pairs of training images and their labels with a Beta(alpha, alpha) weight; 0 turns it off.",
+        resume="match",
+        ge=0,
+    )
     cutmix_alpha: float = _field(
-        0.0, "CutMix: paste a box of another training image, labels mixed by area; 0 turns it off. With MixUp too, "
-        "each batch gets one of the two.", resume="match", ge=0,
-    )  # fmt: skip
+        0.0,
+        "CutMix: paste a box of another training image, labels mixed by area; 0 turns it off. With MixUp too, "
+        "each batch gets one of the two.",
+        resume="match",
+        ge=0,
+    )
 
     # Model and optimisation
     model_name: ModelName = _field("simple_cnn", "Model architecture.", resume="match", aliases=("--model",))
     num_train_epochs: int = _field(
-        30, "Number of training epochs. A resume may raise it to extend a finished run (not with the cosine schedule, "
-        "whose period it is).", resume="may_change", aliases=("--epochs",), ge=1,
-    )  # fmt: skip
+        30,
+        "Number of training epochs. A resume may raise it to extend a finished run (not with the cosine schedule, "
+        "whose period it is).",
+        resume="may_change",
+        aliases=("--epochs",),
+        ge=1,
+    )
     per_device_train_batch_size: int = _field(
         64, "Training batch size per process.", resume="match", aliases=("--batch_size", "--batch-size"), ge=1
     )
     per_device_eval_batch_size: int = _field(500, "Evaluation batch size per process.", resume="may_change", ge=1)
     optimizer: Literal["adam", "adamw", "sgd", "muon"] = _field(
-        "adam", "Optimizer. muon: Muon (momentum, then a Newton-Schulz orthogonalisation of the step) on the "
-        "conv filter banks, SGD (--momentum, --nesterov, --weight_decay) on every other parameter.", resume="match"
-    )  # fmt: skip
+        "adam",
+        "Optimizer. muon: Muon (momentum, then a Newton-Schulz orthogonalisation of the step) on the "
+        "conv filter banks, SGD (--momentum, --nesterov, --weight_decay) on every other parameter.",
+        resume="match",
+    )
     learning_rate: float = _field(
         1e-3, "Learning rate (the peak of a per-step schedule).", resume="match", aliases=("--lr",), gt=0
     )
     scale_lr: bool = _field(
-        False, "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch).",
+        False,
+        "Multiply the learning rate by processes x accumulation steps (linear scaling with the global batch).",
         resume="match",
-    )  # fmt: skip
+    )
     momentum: float = _field(0.9, "SGD momentum.", resume="match", ge=0, lt=1)
     nesterov: bool = _field(False, "SGD (and Muon) with Nesterov momentum.", resume="match")
     muon_learning_rate: float = _field(
-        0.24, "Muon: learning rate of the conv filter banks (each renormalised to norm sqrt(output channels) before "
-        "its step); the schedule scales it as it scales --learning_rate, --scale_lr leaves it.", resume="match", gt=0,
-    )  # fmt: skip
+        0.24,
+        "Muon: learning rate of the conv filter banks (each renormalised to norm sqrt(output channels) before "
+        "its step); the schedule scales it as it scales --learning_rate, --scale_lr leaves it.",
+        resume="match",
+        gt=0,
+    )
     muon_momentum: float = _field(0.6, "Muon: momentum of the conv filter banks.", resume="match", ge=0, lt=1)
     weight_decay: float = _field(
-        0.0, "Weight decay (coupled for adam and sgd, decoupled for adamw), scaled per parameter group by the model.",
-        resume="match", ge=0,
-    )  # fmt: skip
+        0.0,
+        "Weight decay (coupled for adam and sgd, decoupled for adamw), scaled per parameter group by the model.",
+        resume="match",
+        ge=0,
+    )
     label_smoothing: float = _field(0.0, "Label smoothing of the training loss.", resume="match", ge=0, lt=1)
     lr_scheduler_type: Literal["step", "cosine", "linear", "cosine_steps"] = _field(
-        "step", "Schedule. Per epoch: StepLR, or cosine annealing to zero over --num_train_epochs. Per optimizer "
+        "step",
+        "Schedule. Per epoch: StepLR, or cosine annealing to zero over --num_train_epochs. Per optimizer "
         "step: a linear warm-up (--warmup_ratio, from --lr_start_factor), then a linear or cosine decay to "
-        "--lr_end_factor.", resume="match", aliases=("--scheduler",),
-    )  # fmt: skip
-    warmup_ratio: float = _field(0.0, "Per-step schedules: fraction of the steps spent warming up.", resume="match",
-                                 ge=0, lt=1)  # fmt: skip
+        "--lr_end_factor.",
+        resume="match",
+        aliases=("--scheduler",),
+    )
+    warmup_ratio: float = _field(
+        0.0, "Per-step schedules: fraction of the steps spent warming up.", resume="match", ge=0, lt=1
+    )
     lr_start_factor: float = _field(
-        0.0, "Per-step schedules: the learning rate at step 0, as a fraction of --learning_rate.", resume="match",
-        ge=0, le=1,
-    )  # fmt: skip
+        0.0,
+        "Per-step schedules: the learning rate at step 0, as a fraction of --learning_rate.",
+        resume="match",
+        ge=0,
+        le=1,
+    )
     lr_end_factor: float = _field(
-        0.0, "Per-step schedules: the learning rate at the last step, as a fraction of --learning_rate.",
-        resume="match", ge=0, le=1,
-    )  # fmt: skip
+        0.0,
+        "Per-step schedules: the learning rate at the last step, as a fraction of --learning_rate.",
+        resume="match",
+        ge=0,
+        le=1,
+    )
     lr_step_size: int = _field(15, "StepLR: epochs between learning-rate drops.", resume="match", ge=1)
     lr_gamma: float = _field(0.1, "StepLR: factor applied at each drop.", resume="match", gt=0, le=1)
     early_stopping_patience: int = _field(
-        7, "Stop after this many epochs without a better validation accuracy; 0 turns it off.", resume="may_change",
-        aliases=("--patience",), ge=0,
-    )  # fmt: skip
+        7,
+        "Stop after this many epochs without a better validation accuracy; 0 turns it off.",
+        resume="may_change",
+        aliases=("--patience",),
+        ge=0,
+    )
     max_grad_norm: float | None = _field(
         None, "Clip the total gradient norm to this value (after unscaling).", resume="may_change", gt=0
     )
     gradient_accumulation_steps: int = _field(1, "Batches accumulated per optimizer step.", resume="match", ge=1)
     seed: int = _field(
-        42, "Seed for the weights, the validation split, data order and augmentation.", resume="match", ge=0,
+        42,
+        "Seed for the weights, the validation split, data order and augmentation.",
+        resume="match",
+        ge=0,
         le=2**32 - 1,
-    )  # fmt: skip
+    )
 
     ema_decay: float = _field(
-        0.0, "Exponential moving average of the weights, used for validation, test and model.safetensors; 0 turns "
-        "it off. The decay warms up as min(decay, (1 + n) / (10 + n)) over the first updates.", resume="match",
-        ge=0, lt=1,
-    )  # fmt: skip
+        0.0,
+        "Exponential moving average of the weights, used for validation, test and model.safetensors; 0 turns "
+        "it off. The decay warms up as min(decay, (1 + n) / (10 + n)) over the first updates.",
+        resume="match",
+        ge=0,
+        lt=1,
+    )
     tta: TestTimeAugmentation = _field(
-        "none", "Test-time augmentation for the final test: none, flip (with the mirror image), or flip_translate "
-        "(also 1-pixel shifts); results.json gives the accuracy without it too.", resume="may_change",
-    )  # fmt: skip
+        "none",
+        "Test-time augmentation for the final test: none, flip (with the mirror image), or flip_translate "
+        "(also 1-pixel shifts); results.json gives the accuracy without it too.",
+        resume="may_change",
+    )
 
     # Hardware and precision
     mixed_precision: Precision | None = _field(
-        None, "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'.",
+        None,
+        "no, fp16 or bf16. Default: accelerate launch's choice, else the config file, else 'no'.",
         resume="match",  # compared as the precision in effect, see checkpoint.config_fingerprint
-    )  # fmt: skip
+    )
     channels_last: bool = _field(
         True, "Run convolutions in channels_last memory format (faster on CPU and GPU).", resume="may_change"
     )
     torch_compile: bool = _field(
-        False, "Compile the model with torch.compile (inductor; on a CPU it needs a C++ compiler). Checkpoints and "
-        "model.safetensors stay interchangeable with uncompiled runs.", resume="may_change",
-    )  # fmt: skip
+        False,
+        "Compile the model with torch.compile (inductor; on a CPU it needs a C++ compiler). Checkpoints and "
+        "model.safetensors stay interchangeable with uncompiled runs.",
+        resume="may_change",
+    )
     cpu: bool = _field(False, "Train on the CPU even when a GPU is present.", resume="may_change")
 
     max_consecutive_skipped_steps: int = _field(
-        25, "fp16: stop when the GradScaler skips more than this many optimizer steps in a row.", resume="may_change",
+        25,
+        "fp16: stop when the GradScaler skips more than this many optimizer steps in a row.",
+        resume="may_change",
         ge=1,
-    )  # fmt: skip
+    )
 
     # Outputs
     output_dir: str = _field(
@@ -219,38 +277,55 @@ class TrainConfig:
         plumbing=True,
     )
     resume_from_checkpoint: str | None = _field(
-        None, "A checkpoint folder, or 'latest' for the newest one in --output_dir.", resume="may_change",
-        plumbing=True, aliases=("--resume",),
-    )  # fmt: skip
+        None,
+        "A checkpoint folder, or 'latest' for the newest one in --output_dir.",
+        resume="may_change",
+        plumbing=True,
+        aliases=("--resume",),
+    )
     checkpointing_steps: str = _field(
-        "epoch", "Save a checkpoint every N optimizer steps, or 'epoch'; one is always saved at each epoch's end.",
-        resume="may_change", pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
-    )  # fmt: skip
+        "epoch",
+        "Save a checkpoint every N optimizer steps, or 'epoch'; one is always saved at each epoch's end.",
+        resume="may_change",
+        pattern=(r"epoch|[1-9][0-9]*", "'epoch' or a whole number of steps"),
+    )
     checkpoints_total_limit: int = _field(
         2, "Keep the newest N checkpoints, plus the best one.", resume="may_change", ge=1
     )
     logging_steps: int = _field(
-        100, "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.",
-        resume="may_change", ge=1,
-    )  # fmt: skip
+        100,
+        "Every N optimizer steps, log loss, gradient norm, learning rate, loss scale and skipped steps.",
+        resume="may_change",
+        ge=1,
+    )
     report_to: str = _field(
-        "tensorboard", "Trackers: tensorboard, all (every installed one), none, or Accelerate's tracker names "
-        "separated by commas (wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio).", resume="may_change",
+        "tensorboard",
+        "Trackers: tensorboard, all (every installed one), none, or Accelerate's tracker names "
+        "separated by commas (wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio).",
+        resume="may_change",
         plumbing=True,
-    )  # fmt: skip
+    )
     project_name: str = _field(
-        "cifar_accel", "The trackers' project (MLflow experiment, W&B project); TensorBoard writes to "
-        "<output_dir>/logs/<project_name>.", resume="may_change", plumbing=True,
+        "cifar_accel",
+        "The trackers' project (MLflow experiment, W&B project); TensorBoard writes to "
+        "<output_dir>/logs/<project_name>.",
+        resume="may_change",
+        plumbing=True,
         pattern=(r"[\w-][\w.-]*", "letters, digits, '.', '-' and '_', not starting with '.'"),
-    )  # fmt: skip
+    )
     run_name: str | None = _field(
-        None, "The run's name in the trackers and its model card; default: the output folder's name.",
-        resume="may_change", plumbing=True,
-    )  # fmt: skip
+        None,
+        "The run's name in the trackers and its model card; default: the output folder's name.",
+        resume="may_change",
+        plumbing=True,
+    )
     push_to_hub: bool = _field(
-        False, "Upload the output folder (weights, config, labels, model card, logs; not the checkpoints) to the "
-        "Hugging Face Hub once everything is saved locally.", resume="may_change", plumbing=True,
-    )  # fmt: skip
+        False,
+        "Upload the output folder (weights, config, labels, model card, logs; not the checkpoints) to the "
+        "Hugging Face Hub once everything is saved locally.",
+        resume="may_change",
+        plumbing=True,
+    )
     hub_model_id: str | None = _field(
         None,
         "The Hub repository, 'name' or 'user/name'; default: the output folder's name.",
@@ -258,9 +333,11 @@ class TrainConfig:
         plumbing=True,
     )
     hub_token: str | None = _field(
-        None, "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs or trackers.",
-        resume="may_change", plumbing=True,
-    )  # fmt: skip
+        None,
+        "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs or trackers.",
+        resume="may_change",
+        plumbing=True,
+    )
     hub_private_repo: bool = _field(False, "Create the Hub repository as private.", resume="may_change", plumbing=True)
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,9 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--config", help=f"A packaged preset ({', '.join(preset_names())}) or a YAML file of config values; flags "
-        "override it.",
-    )  # fmt: skip
+        "--config",
+        help=f"A packaged preset ({', '.join(preset_names())}) or a YAML file of config values; flags override it.",
+    )
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     for name, f in FIELDS.items():
         flags = [f"--{name}", *f.metadata["aliases"]]
@@ -322,8 +399,9 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     pattern = FIELDS[name].metadata["pattern"]
     if pattern and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # a number of steps written without quotes in YAML
-    value = check_value(_TYPES[name], value, name, lambda problem: InputError(f"{origin}: {problem}"),
-                        FIELDS[name].metadata["bounds"])  # fmt: skip
+    value = check_value(
+        _TYPES[name], value, name, lambda problem: InputError(f"{origin}: {problem}"), FIELDS[name].metadata["bounds"]
+    )
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
     return value
@@ -348,8 +426,10 @@ def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
         nonlocal total
         total += elements
         if total > MAX_YAML_VALUES:
-            raise InputError(f"config file {path} holds more than {MAX_YAML_VALUES} values once its YAML aliases are "
-                             "expanded; it must hold a flat mapping of config keys")  # fmt: skip
+            raise InputError(
+                f"config file {path} holds more than {MAX_YAML_VALUES} values once its YAML aliases are "
+                "expanded; it must hold a flat mapping of config keys"
+            )
         if anchor is not None:
             sizes[anchor] = elements
         if open_collections:
@@ -360,8 +440,10 @@ def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
             if isinstance(event, yaml.CollectionStartEvent):
                 open_collections.append([event.anchor, 1])
                 if len(open_collections) > MAX_YAML_DEPTH:
-                    raise InputError(f"config file {path} nests deeper than {MAX_YAML_DEPTH} levels; it must hold a "
-                                     "flat mapping of config keys")  # fmt: skip
+                    raise InputError(
+                        f"config file {path} nests deeper than {MAX_YAML_DEPTH} levels; it must hold a "
+                        "flat mapping of config keys"
+                    )
             elif isinstance(event, yaml.CollectionEndEvent):
                 anchor, elements = open_collections.pop()
                 total -= elements - 1  # its elements were counted as they were read, and are counted again here
@@ -371,8 +453,9 @@ def _check_yaml_shape(text: str, path: str | os.PathLike) -> None:
             elif isinstance(event, yaml.AliasEvent):
                 aliases += 1
                 if aliases > MAX_YAML_ALIASES:
-                    raise InputError(f"config file {path} uses more than {MAX_YAML_ALIASES} YAML aliases; write the "
-                                     "values out")  # fmt: skip
+                    raise InputError(
+                        f"config file {path} uses more than {MAX_YAML_ALIASES} YAML aliases; write the values out"
+                    )
                 read(sizes.get(event.anchor, 1))
     except yaml.YAMLError:
         return  # safe_load reports the syntax error with its line
@@ -489,8 +572,11 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
     (a flag, the config file, the default), so the message points at what to change."""
     per_step = config.lr_scheduler_type in PER_STEP_SCHEDULES
     if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
-        problem = f"{origins['optimizer']} is {config.optimizer}" if config.optimizer not in ("sgd", "muon") else (
-            f"{origins['momentum']} is 0")  # fmt: skip
+        problem = (
+            f"{origins['optimizer']} is {config.optimizer}"
+            if config.optimizer not in ("sgd", "muon")
+            else (f"{origins['momentum']} is 0")
+        )
         raise InputError(
             f"Nesterov momentum ({origins['nesterov']}) needs --optimizer sgd or muon and a --momentum above 0, but "
             f"{problem}; add --no-nesterov, or change that"

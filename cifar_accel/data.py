@@ -148,8 +148,14 @@ class DecodeProgress:
 
     def __init__(self, split: str, total: int) -> None:
         self.images = 0
-        self.bar = tqdm(total=total, desc=f"decoding {split}", unit=" images", file=sys.stdout, leave=False,
-                        disable=not logger.isEnabledFor(logging.INFO))  # fmt: skip
+        self.bar = tqdm(
+            total=total,
+            desc=f"decoding {split}",
+            unit=" images",
+            file=sys.stdout,
+            leave=False,
+            disable=not logger.isEnabledFor(logging.INFO),
+        )
 
     def update(self, images: int) -> None:
         self.images += images

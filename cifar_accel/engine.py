@@ -110,6 +110,10 @@ def evaluate_model(
     predictions, references, losses, confidences = predict(accelerator, model, loader, transform, tta)
     accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
     return {
-        "loss": losses.mean().item(), "accuracy": accuracy, "samples": len(references),
-        "predictions": predictions, "references": references, "confidences": confidences,
-    }  # fmt: skip
+        "loss": losses.mean().item(),
+        "accuracy": accuracy,
+        "samples": len(references),
+        "predictions": predictions,
+        "references": references,
+        "confidences": confidences,
+    }

@@ -48,8 +48,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
     parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: the launcher's, or no.")
-    parser.add_argument("--tta", choices=typing.get_args(TestTimeAugmentation), default="none",
-                        help="Test-time augmentation: none (default), flip, or flip_translate.")  # fmt: skip
+    parser.add_argument(
+        "--tta",
+        choices=typing.get_args(TestTimeAugmentation),
+        default="none",
+        help="Test-time augmentation: none (default), flip, or flip_translate.",
+    )
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument(
         "--output_dir", type=non_empty, help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>."
@@ -117,10 +121,13 @@ def main(argv: Sequence[str]) -> None:
     predictions, references, _, _ = predict(accelerator, model, loader, trained.preprocess, args.tta)
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
-        model=str(trained.weights), dataset=args.dataset_name or run.dataset_name, split=args.split,
-        mixed_precision=effective_precision(accelerator), tta=args.tta,
+        model=str(trained.weights),
+        dataset=args.dataset_name or run.dataset_name,
+        split=args.split,
+        mixed_precision=effective_precision(accelerator),
+        tta=args.tta,
         num_processes=accelerator.num_processes,
-    )  # fmt: skip
+    )
     if accelerator.is_main_process:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)

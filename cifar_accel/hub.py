@@ -36,8 +36,9 @@ def check_hub_settings(config: TrainConfig, output_dir: Path) -> None:
             "'user/name' with letters, digits, '-', '_' and '.'"
         ) from None
     if not (config.hub_token or get_token()):
-        raise InputError("--push_to_hub needs a Hugging Face token: pass --hub_token, set HF_TOKEN, or run 'hf auth "
-                         "login' first")  # fmt: skip
+        raise InputError(
+            "--push_to_hub needs a Hugging Face token: pass --hub_token, set HF_TOKEN, or run 'hf auth login' first"
+        )
 
 
 def push_to_hub(config: TrainConfig, output_dir: Path) -> str:
@@ -51,8 +52,10 @@ def push_to_hub(config: TrainConfig, output_dir: Path) -> str:
     try:
         api = HfApi(token=config.hub_token or get_token())
         repo_id = api.create_repo(repo, private=config.hub_private_repo, exist_ok=True).repo_id
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
-                      for name, path in zip(names, files, strict=True)]  # fmt: skip
+        operations = [
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+            for name, path in zip(names, files, strict=True)
+        ]
         api.create_commit(repo_id, operations, commit_message=f"cifar_accel run {output_dir.resolve().name}")
     except Exception as err:  # noqa: BLE001 - the network, the token and the Hub fail in many kinds
         include = " ".join(f"--include {shlex.quote(name)}" for name in names)

@@ -77,8 +77,10 @@ class TrainedModel:
         if type(top_k) is not int or top_k < 1:
             raise ValueError(f"top_k must be a whole number of at least 1, not {top_k!r}")
         top = self.probabilities(images, tta).topk(min(top_k, len(self.class_names)), dim=1)
-        return [[(self.class_names[i], float(p)) for p, i in zip(scores, indices, strict=True)]
-                for scores, indices in zip(top.values, top.indices, strict=True)]  # fmt: skip
+        return [
+            [(self.class_names[i], float(p)) for p, i in zip(scores, indices, strict=True)]
+            for scores, indices in zip(top.values, top.indices, strict=True)
+        ]
 
 
 def find_run_dir(weights: Path) -> Path:

@@ -29,10 +29,13 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
     (the trained 4-D weights) out of those groups into one of its own."""
     if hasattr(model, "parameter_groups"):
         groups = [
-            {"params": g["params"], "lr": learning_rate * g["lr_scale"],
-             "weight_decay": config.weight_decay * g["weight_decay_scale"]}
+            {
+                "params": g["params"],
+                "lr": learning_rate * g["lr_scale"],
+                "weight_decay": config.weight_decay * g["weight_decay_scale"],
+            }
             for g in model.parameter_groups()
-        ]  # fmt: skip
+        ]
     else:
         groups = [{"params": list(model.parameters())}]
     if config.optimizer == "muon":
@@ -40,15 +43,30 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
         for group in groups:
             group["params"] = [p for p in group["params"] if p.ndim != 4]
         groups = [g for g in groups if g["params"]]
-        groups.append({"params": filters, "lr": config.muon_learning_rate, "momentum": config.muon_momentum,
-                       "weight_decay": 0.0, "muon": True})  # fmt: skip
-        return MuonSGD(groups, lr=learning_rate, momentum=config.momentum, nesterov=config.nesterov,
-                       weight_decay=config.weight_decay)  # fmt: skip
+        groups.append(
+            {
+                "params": filters,
+                "lr": config.muon_learning_rate,
+                "momentum": config.muon_momentum,
+                "weight_decay": 0.0,
+                "muon": True,
+            }
+        )
+        return MuonSGD(
+            groups,
+            lr=learning_rate,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+        )
     if config.optimizer == "sgd":
         return torch.optim.SGD(
-            groups, lr=learning_rate, momentum=config.momentum, nesterov=config.nesterov,
+            groups,
+            lr=learning_rate,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
             weight_decay=config.weight_decay,
-        )  # fmt: skip
+        )
     adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     return adam(groups, lr=learning_rate, weight_decay=config.weight_decay)
 
@@ -133,9 +151,12 @@ def build_scheduler(
     if config.lr_scheduler_type in PER_STEP_SCHEDULES:
         total = config.num_train_epochs * steps_per_epoch
         schedule = StepSchedule(
-            config.lr_scheduler_type, total, round(total * config.warmup_ratio), config.lr_start_factor,
+            config.lr_scheduler_type,
+            total,
+            round(total * config.warmup_ratio),
+            config.lr_start_factor,
             config.lr_end_factor,
-        )  # fmt: skip
+        )
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if config.lr_scheduler_type == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)

@@ -65,8 +65,15 @@ def confusion_figure(confusion: list[list[int]], class_names: list[str], title: 
     ax.set_title(title)
     for i in range(len(class_names)):
         for j in range(len(class_names)):
-            ax.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if fractions[i, j] > 0.5 else "black")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                int(matrix[i, j]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if fractions[i, j] > 0.5 else "black",
+            )
     fig.colorbar(image, ax=ax, label="fraction of the true class")
     fig.tight_layout()
     return fig
@@ -137,9 +144,12 @@ def log_test_pictures(
     wrong = (predictions != references).nonzero().squeeze(1)
     worst = wrong[confidences[wrong].argsort(descending=True)[:MISTAKES]]
     figures["test/confident_mistakes"] = mistakes_figure(
-        images[worst], [class_names[i] for i in references[worst]], [class_names[i] for i in predictions[worst]],
-        confidences[worst].tolist(), f"the {len(worst)} most confident of {len(wrong)} mistakes: true -> predicted",
-    )  # fmt: skip
+        images[worst],
+        [class_names[i] for i in references[worst]],
+        [class_names[i] for i in predictions[worst]],
+        confidences[worst].tolist(),
+        f"the {len(worst)} most confident of {len(wrong)} mistakes: true -> predicted",
+    )
     for tag, figure in figures.items():
         writer.add_figure(tag, figure, global_step=step)  # closes the figure
     return True

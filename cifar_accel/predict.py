@@ -97,8 +97,12 @@ def main(argv: Sequence[str]) -> None:
     for file, original, scores, indices in zip(files, originals, top.values, top.indices, strict=True):
         classes = [trained.class_names[i] for i in indices]
         if args.format == "jsonl":
-            row = {"file": str(file), "top_k": [{"class": c, "probability": round(float(p), 6)}
-                                                for c, p in zip(classes, scores, strict=True)]}  # fmt: skip
+            row = {
+                "file": str(file),
+                "top_k": [
+                    {"class": c, "probability": round(float(p), 6)} for c, p in zip(classes, scores, strict=True)
+                ],
+            }
             if original:
                 row["converted_from"] = original
             print(json.dumps(row))
@@ -107,8 +111,11 @@ def main(argv: Sequence[str]) -> None:
             note = f"  (converted from {original} to RGB 32x32)" if original else ""
             print(f"{file}: {ranked}{note}")
     for entry, reason in skipped:
-        print(json.dumps({"file": str(entry), "skipped": reason}) if args.format == "jsonl" else
-              f"{entry}: skipped, {reason}")  # fmt: skip
+        print(
+            json.dumps({"file": str(entry), "skipped": reason})
+            if args.format == "jsonl"
+            else f"{entry}: skipped, {reason}"
+        )
 
 
 def cli() -> None:

@@ -17,8 +17,12 @@ from typing import Any, Literal, TypeVar
 T = TypeVar("T")
 Invalid = Callable[[str], Exception]  # a problem -> the exception to raise, which says where the data came from
 
-_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
-           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}  # fmt: skip
+_BOUNDS = {
+    "ge": (">=", lambda v, b: v >= b),
+    "gt": (">", lambda v, b: v > b),
+    "le": ("<=", lambda v, b: v <= b),
+    "lt": ("<", lambda v, b: v < b),
+}
 
 
 def bounds(**limits: float) -> dict[str, dict[str, float]]:
@@ -53,8 +57,10 @@ def from_json(cls: type[T], data: object, invalid: Invalid, where: str = "") -> 
         raise invalid(f"unexpected keys in {where.rstrip('.') or 'the file'}: {', '.join(unknown)[:200]}")
     if missing := sorted(required - set(data)):
         raise invalid(f"missing keys in {where.rstrip('.') or 'the file'}: {', '.join(missing)}")
-    values = {name: check_value(hints[name], value, f"{where}{name}", invalid, fields[name].metadata.get("bounds", {}))
-              for name, value in data.items()}  # fmt: skip
+    values = {
+        name: check_value(hints[name], value, f"{where}{name}", invalid, fields[name].metadata.get("bounds", {}))
+        for name, value in data.items()
+    }
     return cls(**values)
 
 

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from cifar_accel.precision import native_bf16
+from cifar_accel.run import Run
 from cifar_accel.state import EpochRecord, RunResults, TrainerState
 
 logger = get_logger(__name__)
@@ -75,22 +76,12 @@ def log_epoch(accelerator: Accelerator, record: EpochRecord, global_step: int) -
     logger.info(record.log_line())
 
 
-def run_results(
-    accelerator: Accelerator,
-    state: TrainerState,
-    test: dict[str, float],
-    tta: str,
-    precision: dict[str, Any],
-    stopped_early: bool,
-    train_samples: int,
-    val_samples: int,
-    global_batch_size: int,
-    learning_rate: float,
-) -> RunResults:
+def run_results(run: Run, test: dict[str, Any]) -> RunResults:
     """The contents of results.json: the outcome (the weights of the best validation epoch, or of the last one
-    without validation, and the test-time augmentation ``tta`` used), the precision in
-    effect (``precision`` is the dtype report), speed and memory, the setting, and the per-epoch history."""
-    history = state.history
+    without validation, tested with the run's test-time augmentation), the precision in effect (with the dtype
+    report), speed and memory, the setting, and the per-epoch history."""
+    accelerator, state, tta, precision = run.accelerator, run.state, run.config.tta, run.precision
+    history, val_samples = state.history, len(run.data.val)
     memory, memory_measure = peak_memory(accelerator.device)
     return RunResults(
         validation=val_samples > 0,
@@ -103,7 +94,7 @@ def run_results(
         test_loss=test["loss"],
         test_samples=test["samples"],
         epochs_completed=state.epoch,
-        stopped_early=stopped_early,
+        stopped_early=state.should_stop_early(run.config.early_stopping_patience),
         mixed_precision=precision["effective"],
         requested_mixed_precision=precision["requested"],
         mixed_precision_source=precision["requested_by"],
@@ -115,11 +106,11 @@ def run_results(
         peak_memory_measure=memory_measure,
         precision_report=precision,
         num_processes=accelerator.num_processes,
-        global_batch_size=global_batch_size,
-        learning_rate=learning_rate,
+        global_batch_size=run.global_batch_size,
+        learning_rate=run.learning_rate,
         device=str(accelerator.device),
         hardware=hardware(),
-        train_samples=train_samples,
+        train_samples=len(run.data.train),
         val_samples=val_samples,
         history=list(history),
         versions={

@@ -21,8 +21,13 @@ logger = logging.getLogger(__name__)  # not Accelerate's: the trackers are check
 
 TRACKERS = [tracker.value for tracker in LoggerType if tracker is not LoggerType.ALL]
 # The keyword each tracker takes for the run's name (Accelerate gives them the project name as its own argument).
-RUN_NAME_KEYWORDS = {"wandb": "name", "mlflow": "run_name", "clearml": "task_name", "swanlab": "experiment_name",
-                     "trackio": "name"}  # fmt: skip
+RUN_NAME_KEYWORDS = {
+    "wandb": "name",
+    "mlflow": "run_name",
+    "clearml": "task_name",
+    "swanlab": "experiment_name",
+    "trackio": "name",
+}
 
 
 def requested_trackers(report_to: str) -> list[str] | str | None:
@@ -40,8 +45,9 @@ def requested_trackers(report_to: str) -> list[str] | str | None:
                 f"{', '.join(TRACKERS)}, separated by commas"
             )
         if name not in installed:
-            raise InputError(f"--report_to {name}: its package is not installed; pip install {name}, or pick another "
-                             "tracker")  # fmt: skip
+            raise InputError(
+                f"--report_to {name}: its package is not installed; pip install {name}, or pick another tracker"
+            )
     return names or None
 
 

@@ -129,9 +129,12 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
 
 
 def set_up_run(
-    config: TrainConfig, accelerator: Accelerator, output_dir: Path, precision_source: str,
+    config: TrainConfig,
+    accelerator: Accelerator,
+    output_dir: Path,
+    precision_source: str,
     train_pipeline: TrainPipeline,
-) -> Run:  # fmt: skip
+) -> Run:
     """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
     restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
     check_earlier_run(config, output_dir)
@@ -175,9 +178,14 @@ def set_up_run(
         t[: config.per_device_train_batch_size].to(accelerator.device) for t in (probe.images, probe.labels)
     )
     report = precision_report(
-        accelerator, model, loss_fn, eval_transform(probe_images), probe_labels, config.mixed_precision,
+        accelerator,
+        model,
+        loss_fn,
+        eval_transform(probe_images),
+        probe_labels,
+        config.mixed_precision,
         precision_source,
-    )  # fmt: skip
+    )
     log_precision_report(report)
 
     state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
@@ -198,12 +206,27 @@ def set_up_run(
             )
             state.num_processes = accelerator.num_processes
     return Run(
-        config=config, accelerator=accelerator, output_dir=output_dir, data=data, model=model, optimizer=optimizer,
-        scheduler=scheduler, loss_fn=loss_fn, train_loader=train_loader, train_transform=train_transform,
-        val_loader=val_loader, test_loader=test_loader, eval_transform=eval_transform, metric=metric,
-        precision=report, state=state, last_checkpoint=resume_path, global_batch_size=global_batch,
-        learning_rate=learning_rate, ema=ema,
-    )  # fmt: skip
+        config=config,
+        accelerator=accelerator,
+        output_dir=output_dir,
+        data=data,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=loss_fn,
+        train_loader=train_loader,
+        train_transform=train_transform,
+        val_loader=val_loader,
+        test_loader=test_loader,
+        eval_transform=eval_transform,
+        metric=metric,
+        precision=report,
+        state=state,
+        last_checkpoint=resume_path,
+        global_batch_size=global_batch,
+        learning_rate=learning_rate,
+        ema=ema,
+    )
 
 
 def train_epochs(run: Run, books: RunBookkeeper) -> None:
@@ -263,12 +286,7 @@ def finish_run(run: Run) -> RunResults:
         test_stats["accuracy_no_tta"] = plain["accuracy"]
     test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}
     accelerator.log(test_scalars, step=state.global_step)
-    results = run_results(
-        accelerator, state, test_stats, run.config.tta, run.precision,
-        stopped_early=state.should_stop_early(run.config.early_stopping_patience),
-        train_samples=len(run.data.train), val_samples=len(run.data.val),
-        global_batch_size=run.global_batch_size, learning_rate=run.learning_rate,
-    )  # fmt: skip
+    results = run_results(run, test_stats)
     try:
         export_weights(accelerator, run.eval_model, output_dir)
         if accelerator.is_main_process:

@@ -142,9 +142,13 @@ class TrainingTransform:
 
     def __init__(self, config: TrainConfig, num_classes: int) -> None:
         self.augment = BatchTransform(
-            config.augment, config.channels_last, config.crop_padding, config.padding_mode,
-            flip=config.flip == "random", color_jitter=config.color_jitter,
-        )  # fmt: skip
+            config.augment,
+            config.channels_last,
+            config.crop_padding,
+            config.padding_mode,
+            flip=config.flip == "random",
+            color_jitter=config.color_jitter,
+        )
         mixes = [
             mix(alpha=alpha, num_classes=num_classes)
             for mix, alpha in ((v2.MixUp, config.mixup_alpha), (v2.CutMix, config.cutmix_alpha))

@@ -34,9 +34,14 @@ class ConvGroup(nn.Sequential):
 
     def __init__(self, channels_in: int, channels_out: int) -> None:
         super().__init__(
-            conv3x3(channels_in, channels_out), nn.MaxPool2d(2), batch_norm(channels_out), nn.GELU(),
-            conv3x3(channels_out, channels_out), batch_norm(channels_out), nn.GELU(),
-        )  # fmt: skip
+            conv3x3(channels_in, channels_out),
+            nn.MaxPool2d(2),
+            batch_norm(channels_out),
+            nn.GELU(),
+            conv3x3(channels_out, channels_out),
+            batch_norm(channels_out),
+            nn.GELU(),
+        )
 
 
 class FastNet(nn.Module):
