@@ -157,23 +157,29 @@ def test_output_dir_that_cannot_be_created(tiny_dataset, cli_env, tmp_path):
     assert blocker.read_text() == "not a folder"
 
 
-def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli_env, tmp_path):
-    """The run writes into a 1.8 MB tmpfs (private mount namespace): epoch 1's checkpoint (about 1.2 MB) fits,
-    epoch 2's does not. The run must stop with one line, leave epoch 1's checkpoint whole, and resume from it."""
+def train_on_a_small_disk(disk: Path, size: str, args: list[str], env: dict, then: str = "") -> tuple[str, str, str]:
+    """Train with ``disk`` a tmpfs of ``size`` in a private mount namespace, then run the shell command ``then``;
+    returns the run's stderr line, its exit status line and its stdout."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) for a private tmpfs")
-    mounted, kept = tmp_path / "small_disk", tmp_path / "copy"
-    mounted.mkdir()
-    args = tiny_args(tiny_dataset, mounted / "run", "--num_train_epochs", "2")
     script = (
-        f"mount -t tmpfs -o size=1800k tmpfs {mounted} || exit 99; "
-        f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2; cp -r {mounted}/run {kept}'
+        f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; "
+        f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2; {then}'
     )
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
     if "exit=" not in proc.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
     error, status = proc.stderr.strip().splitlines()
+    return error, status, proc.stdout
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli_env, tmp_path):
+    """The run writes into a 1.8 MB tmpfs (private mount namespace): epoch 1's checkpoint (about 1.2 MB) fits,
+    epoch 2's does not. The run must stop with one line, leave epoch 1's checkpoint whole, and resume from it."""
+    mounted, kept = tmp_path / "small_disk", tmp_path / "copy"
+    mounted.mkdir()
+    args = tiny_args(tiny_dataset, mounted / "run", "--num_train_epochs", "2")
+    error, status, _ = train_on_a_small_disk(mounted, "1800k", args, cli_env, then=f"cp -r {mounted}/run {kept}")
     assert status == "exit=1"
     assert error.startswith("error: ") and "saving checkpoint step_00000018 failed" in error
     assert "step_00000009 is intact" in error and "--resume_from_checkpoint latest" in error
@@ -189,19 +195,11 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli
 def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder_and_the_fix(tiny_dataset, cli_env, tmp_path):
     """TensorBoard writes its events from a thread of its own; on a full disk that thread's traceback went to
     stderr, and the error line named neither a file nor a fix. logs/ is a 12 KiB tmpfs here; the rest has room."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) for a private tmpfs")
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--logging_steps", "1")
-    script = (f"mount -t tmpfs -o size=12k tmpfs {out / 'logs'} || exit 99; "
-              f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2')  # fmt: skip
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    if "exit=" not in proc.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
-    error, status = proc.stderr.strip().splitlines()
+    error, status, stdout = train_on_a_small_disk(out / "logs", "12k", args, cli_env)
     assert status == "exit=1"
     assert error == (f"error: writing the tracker files in {out / 'logs'} failed (No space left on device); free "
                      "space on that disk, then run again")  # fmt: skip
-    assert "background thread" in proc.stdout and "No space left on device" in proc.stdout
+    assert "background thread" in stdout and "No space left on device" in stdout
