@@ -147,13 +147,7 @@ def set_up_run(
 
     data, global_batch, learning_rate = load_run_data(config, accelerator)
     eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
-    model = build_model(config.model_name, num_classes=len(data.class_names))
-    if hasattr(model, "init_from_data"):  # data-dependent initialisation; the result lives in the weights
-        model.init_from_data(eval_transform(data.train.images[:DATA_INIT_IMAGES]))
-    if config.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if config.torch_compile:
-        model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
+    model = build_run_model(config, data, eval_transform)
     base_optimizer = build_optimizer(config, model, learning_rate)
     train_loader, train_transform = train_pipeline(config, data, accelerator.device)
     val_loader = make_loader(data.val, config.per_device_eval_batch_size, train=False)
@@ -169,64 +163,77 @@ def set_up_run(
         )
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
-    scheduler = accelerator.prepare(build_scheduler(config, base_optimizer, steps_per_epoch))
-    ema = WeightAverage(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None
-    metric = load_metric("accuracy")
-    loss_fn = build_loss(config)
-    probe = data.val if len(data.val) else data.train  # --val_ratio 0 leaves no validation images
-    probe_images, probe_labels = (
-        t[: config.per_device_train_batch_size].to(accelerator.device) for t in (probe.images, probe.labels)
-    )
-    report = precision_report(
-        accelerator,
-        model,
-        loss_fn,
-        eval_transform(probe_images),
-        probe_labels,
-        config.mixed_precision,
-        precision_source,
-    )
-    log_precision_report(report)
-
-    state = TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes)
-    if resume_path is not None:
-        load_checkpoint(accelerator, resume_path, resumed, ema)
-        check_resumed_schedule(scheduler.scheduler, config, steps_per_epoch, resume_path)
-        state = resumed
-        logger.info(
-            f"resumed from {resume_path}: {state.epoch} epochs and {state.step_in_epoch} batches done, "
-            f"best val accuracy {state.best_val_accuracy}"
-        )
-        if state.num_processes != accelerator.num_processes:
-            logger.warning(
-                f"the checkpoint was written by {state.num_processes} processes and this run has "
-                f"{accelerator.num_processes}: the global batch becomes {global_batch}, so steps per epoch and the "
-                "data order change and the result will differ from an uninterrupted run; the learning rate and its "
-                "schedule continue from the checkpoint"
-            )
-            state.num_processes = accelerator.num_processes
-    return Run(
+    run = Run(
         config=config,
         accelerator=accelerator,
         output_dir=output_dir,
         data=data,
         model=model,
         optimizer=optimizer,
-        scheduler=scheduler,
-        loss_fn=loss_fn,
+        scheduler=accelerator.prepare(build_scheduler(config, base_optimizer, steps_per_epoch)),
+        loss_fn=build_loss(config),
         train_loader=train_loader,
         train_transform=train_transform,
         val_loader=val_loader,
         test_loader=test_loader,
         eval_transform=eval_transform,
-        metric=metric,
-        precision=report,
-        state=state,
-        last_checkpoint=resume_path,
+        metric=load_metric("accuracy"),
+        precision={},
+        state=TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes),
+        last_checkpoint=None,
         global_batch_size=global_batch,
         learning_rate=learning_rate,
-        ema=ema,
+        ema=WeightAverage(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None,
     )
+    run.precision = measure_precision(run, precision_source)
+    if resume_path is not None:
+        restore_checkpoint(run, resume_path, resumed, steps_per_epoch)
+    return run
+
+
+def build_run_model(config: TrainConfig, data: CifarData, eval_transform: BatchTransform) -> torch.nn.Module:
+    """The model by name, initialised from the training images where it has a data-dependent initialisation,
+    in the run's memory layout, compiled if asked."""
+    model = build_model(config.model_name, num_classes=len(data.class_names))
+    if hasattr(model, "init_from_data"):  # data-dependent initialisation; the result lives in the weights
+        model.init_from_data(eval_transform(data.train.images[:DATA_INIT_IMAGES]))
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if config.torch_compile:
+        model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
+    return model
+
+
+def measure_precision(run: Run, source: str) -> dict[str, Any]:
+    """The dtype report (what precision is in effect) of one batch through the prepared model, logged."""
+    probe = run.data.val if len(run.data.val) else run.data.train  # --val_ratio 0 leaves no validation images
+    batch = run.config.per_device_train_batch_size
+    images, labels = (t[:batch].to(run.accelerator.device) for t in (probe.images, probe.labels))
+    report = precision_report(
+        run.accelerator, run.model, run.loss_fn, run.eval_transform(images), labels, run.config.mixed_precision, source
+    )
+    log_precision_report(report)
+    return report
+
+
+def restore_checkpoint(run: Run, path: Path, resumed: TrainerState, steps_per_epoch: int) -> None:
+    """Load checkpoint ``path`` into the prepared run, which then goes on from its trainer state ``resumed``."""
+    accelerator = run.accelerator
+    load_checkpoint(accelerator, path, resumed, run.ema)
+    check_resumed_schedule(run.scheduler.scheduler, run.config, steps_per_epoch, path)
+    run.state, run.last_checkpoint = resumed, path
+    logger.info(
+        f"resumed from {path}: {resumed.epoch} epochs and {resumed.step_in_epoch} batches done, "
+        f"best val accuracy {resumed.best_val_accuracy}"
+    )
+    if resumed.num_processes != accelerator.num_processes:
+        logger.warning(
+            f"the checkpoint was written by {resumed.num_processes} processes and this run has "
+            f"{accelerator.num_processes}: the global batch becomes {run.global_batch_size}, so steps per epoch and "
+            "the data order change and the result will differ from an uninterrupted run; the learning rate and its "
+            "schedule continue from the checkpoint"
+        )
+        resumed.num_processes = accelerator.num_processes
 
 
 def train_epochs(run: Run, books: RunBookkeeper) -> None:
