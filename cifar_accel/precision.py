@@ -1,7 +1,7 @@
 """Mixed precision made visible: which precision can run where, and what is really in effect.
 
 AMP fails quietly: fp16 asked for on a CPU runs fp32 without a word. The report shows the dtypes one batch
-actually produces; the step telemetry (``telemetry.py``) and the non-finite guards (``monitor.py``) watch the
+actually produces; the step telemetry (``telemetry.py``) and the non-finite guards (``bookkeeping.py``) watch the
 loss scale, skipped steps and gradient norm as the run goes.
 """
 
