@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import io
 import logging
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ import torch
 from datasets.fingerprint import Hasher
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, TensorDataset
-from tqdm.auto import tqdm
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, one_line
+from cifar_accel.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -143,18 +142,13 @@ def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
 
 
 class DecodeProgress:
-    """What decoding a split did: a progress bar on stdout, shown where INFO is logged (the main process), and
-    the count of images decoded, which stays 0 when `datasets` had them cached."""
+    """What decoding a split did: its progress on stdout (``progress.progress``), shown where INFO is logged (the
+    main process), and the count of images decoded, which stays 0 when `datasets` had them cached."""
 
     def __init__(self, split: str, total: int) -> None:
         self.images = 0
-        self.bar = tqdm(
-            total=total,
-            desc=f"decoding {split}",
-            unit=" images",
-            file=sys.stdout,
-            leave=False,
-            disable=not logger.isEnabledFor(logging.INFO),
+        self.bar = progress(
+            total=total, desc=f"decoding {split}", unit=" images", show=logger.isEnabledFor(logging.INFO)
         )
 
     def update(self, images: int) -> None:

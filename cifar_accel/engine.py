@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,7 +13,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+
+from cifar_accel.progress import progress
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # A training batch of images and class labels -> (model inputs, loss targets), see transforms.TrainingTransform.
@@ -53,8 +53,9 @@ def training_step(
 
 
 def progress_bar(batches: Iterable, accelerator: Accelerator, description: str) -> Iterable:
-    """``batches`` with a progress bar on stdout, on the main process of each machine."""
-    return tqdm(batches, desc=description, leave=False, file=sys.stdout, disable=not accelerator.is_local_main_process)
+    """``batches`` with their progress on stdout (a live bar on a terminal, ten lines off one), on the main
+    process of each machine."""
+    return progress(batches, desc=description, show=accelerator.is_local_main_process)
 
 
 def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
