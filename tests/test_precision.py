@@ -1,5 +1,5 @@
 """Mixed precision made visible: the dtype report, clipping after unscaling, step telemetry and gradient
-accumulation. (Skipped steps and the non-finite guards: test_monitor.py.)"""
+accumulation. (Skipped steps and the non-finite guards: test_bookkeeping.py.)"""
 
 from __future__ import annotations
 
