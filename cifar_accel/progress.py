@@ -44,7 +44,6 @@ class LineProgress:
                 flush=True,
             )
 
-
     def close(self) -> None:
         """Nothing to clear: each line stays in the log."""
 
