@@ -195,19 +195,27 @@ def check_checkpoint_files(
         file = path / name
         if not file.is_file():
             raise InputError(f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint")
-        try:
-            tensors = (
-                safetensors.torch.load_file(file)
-                if name.endswith(".safetensors")
-                else load_pickled(file, weights_only=True)
-            )
-        except Exception as err:  # noqa: BLE001 - torch and safetensors raise many kinds for a bad file
-            raise InputError(
-                f"checkpoint '{path}': {name} cannot be read as plain tensors and numbers ({type(err).__name__}: "
-                f"{one_line(err)[:200]}); it is damaged or unsafe, resume from another checkpoint"
-            ) from None
-        if problem := value_problem(name, tensors, state):
-            raise InputError(f"checkpoint '{path}': {name} {problem}; it is damaged, resume from another checkpoint")
+        read_checked(file, state)
+
+
+def read_checked(file: Path, state: TrainerState) -> Any:
+    """The contents of checkpoint file ``file`` (safetensors, or a pickle read with ``weights_only=True``), once
+    ``value_problem`` finds nothing wrong with them; else one InputError naming the file."""
+    checkpoint, name = file.parent, file.name
+    try:
+        saved = (
+            safetensors.torch.load_file(file)
+            if name.endswith(".safetensors")
+            else load_pickled(file, weights_only=True)
+        )
+    except Exception as err:  # noqa: BLE001 - torch and safetensors raise many kinds for a bad file
+        raise InputError(
+            f"checkpoint '{checkpoint}': {name} cannot be read as plain tensors and numbers ({type(err).__name__}: "
+            f"{one_line(err)[:200]}); it is damaged or unsafe, use another checkpoint"
+        ) from None
+    if problem := value_problem(name, saved, state):
+        raise InputError(f"checkpoint '{checkpoint}': {name} {problem}; it is damaged, use another checkpoint")
+    return saved
 
 
 def value_problem(name: str, saved: object, state: TrainerState) -> str | None:
@@ -236,16 +244,8 @@ def value_problem(name: str, saved: object, state: TrainerState) -> str | None:
 def validated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The weights that were validated when ``checkpoint`` was saved: the weight average's (``ema.safetensors``)
     in a run that kept one, else the model's; checked as a resume checks them."""
-    state = read_trainer_state(checkpoint)
     name = EMA_FILE if (checkpoint / EMA_FILE).is_file() else WEIGHTS_FILE
-    try:
-        saved = safetensors.torch.load_file(checkpoint / name)
-    except Exception as err:  # noqa: BLE001 - safetensors raises many kinds for a bad file
-        raise InputError(
-            f"checkpoint '{checkpoint}': {name} cannot be read ({type(err).__name__}: {one_line(err)[:200]})"
-        ) from None
-    if problem := value_problem(name, saved, state):
-        raise InputError(f"checkpoint '{checkpoint}': {name} {problem}; it is damaged, use another checkpoint")
+    saved = read_checked(checkpoint / name, read_trainer_state(checkpoint))
     if name == EMA_FILE:  # AveragedModel's state: the averaged module's, under 'module.', and its update count
         return {key.removeprefix("module."): value for key, value in saved.items() if key.startswith("module.")}
     return saved

@@ -254,6 +254,7 @@ def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
     """One epoch of training steps, and after each optimizer step, in this order: count it (and note whether it
     stayed finite), log it, step a per-step schedule, update the weight average, save a checkpoint or stop."""
     accelerator = run.accelerator
+    averaged = accelerator.unwrap_model(run.model)  # what the weight average follows
     run.model.train()
     batches = progress_bar(books.begin_epoch(epoch), accelerator, f"epoch {epoch + 1}/{run.config.num_train_epochs}")
     for images, labels in batches:
@@ -270,7 +271,7 @@ def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
         if run.schedule_per_step:  # also after a step the GradScaler skipped: the schedule counts steps taken
             run.scheduler.step()
         if run.ema is not None:
-            run.ema.update(accelerator.unwrap_model(run.model))
+            run.ema.update(averaged)
         books.save_or_stop()
     return books.epoch_training()
 
