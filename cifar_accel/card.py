@@ -9,7 +9,7 @@ from accelerate.logging import get_logger
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from cifar_accel.config import TrainConfig, config_yaml
-from cifar_accel.data import looks_like_path
+from cifar_accel.data import CIFAR10_CLASSES, looks_like_path
 from cifar_accel.outputs import (
     CARD_FILE,
     CURVES_FILE,
@@ -22,6 +22,7 @@ from cifar_accel.outputs import (
 from cifar_accel.plots import pyplot
 from cifar_accel.state import EpochRecord, RunResults
 from cifar_accel.trackers import run_name
+from cifar_accel.transforms import CIFAR10_NORMALIZATION
 
 logger = get_logger(__name__)
 
@@ -47,17 +48,24 @@ def plot_curves(history: list[EpochRecord], path: Path) -> bool:
     return True
 
 
-def card_metadata(config: TrainConfig, results: RunResults, run_name: str) -> ModelCardData:
+def dataset_title(config: TrainConfig, class_names: list[str]) -> str:
+    """How the card names the dataset: CIFAR-10 for one with CIFAR-10's classes, else its Hub id or folder name."""
+    name = Path(config.dataset_name).name if looks_like_path(config.dataset_name) else config.dataset_name
+    return "CIFAR-10" if class_names == CIFAR10_CLASSES else name
+
+
+def card_metadata(config: TrainConfig, results: RunResults, run_name: str, class_names: list[str]) -> ModelCardData:
     """The card's YAML block: library, tags, dataset, metric, and a model-index entry with the test accuracy."""
-    local = looks_like_path(config.dataset_name)
-    dataset_id = "cifar10" if local else config.dataset_name
-    dataset_label = f"CIFAR-10 ({Path(config.dataset_name).name})" if local else "CIFAR-10"
+    local, folder = looks_like_path(config.dataset_name), Path(config.dataset_name).name
+    title = dataset_title(config, class_names)
+    dataset_id = ("cifar10" if title == "CIFAR-10" else folder) if local else config.dataset_name
+    dataset_label = f"{title} ({folder})" if local and title != folder else title
     return ModelCardData(
         library_name=LIBRARY_NAME,  # also how a later run tells the card for its own (outputs.is_model_card)
         pipeline_tag="image-classification",
         tags=[
             "image-classification",
-            "cifar10",
+            dataset_id.split("/")[-1],
             "accelerate",
             config.model_name,
             f"precision-{results.mixed_precision}",
@@ -80,8 +88,10 @@ def card_metadata(config: TrainConfig, results: RunResults, run_name: str) -> Mo
     )
 
 
-def model_card(config: TrainConfig, results: RunResults, run_name: str, curves: bool) -> ModelCard:
-    """The card of a finished run, from its config and results.json."""
+def model_card(
+    config: TrainConfig, results: RunResults, run_name: str, class_names: list[str], curves: bool
+) -> ModelCard:
+    """The card of a finished run, from its config, results.json and class names."""
     hardware = results.hardware
     machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
     tested = (
@@ -94,8 +104,9 @@ def model_card(config: TrainConfig, results: RunResults, run_name: str, curves: 
     body = f"""
 # {run_name}
 
-A `{config.model_name}` trained on CIFAR-10 (`{config.dataset_name}`) with `cifar_accel`: one plain PyTorch
-loop prepared by Hugging Face Accelerate.
+A `{config.model_name}` trained on {dataset_title(config, class_names)} (`{config.dataset_name}`, label column
+`{results.label_column}`, {len(class_names)} classes) with `cifar_accel`: one plain PyTorch loop prepared by
+Hugging Face Accelerate.
 
 ## Results
 
@@ -117,6 +128,7 @@ loop prepared by Hugging Face Accelerate.
 | training images | {results.train_samples} ({results.val_samples} held out for validation) |
 | speed | {results.seconds_per_epoch:.1f} s per epoch, {results.train_images_per_second:.0f} training images/s |
 | peak memory | {results.peak_memory_mib:.0f} MiB ({results.peak_memory_measure}) |
+| input | {normalization_text(results)} |
 
 {curves_text}
 
@@ -140,14 +152,23 @@ classifier.predict([image], top_k=3)              # PIL images, or a uint8 batch
 or from the command line: `python -m cifar_accel.predict --model path/to/this/folder images/` and
 `python -m cifar_accel.evaluate --model path/to/this/folder --tta {results.tta}`.
 """  # noqa: E501 - table rows
-    return ModelCard(f"---\n{card_metadata(config, results, run_name).to_yaml()}\n---\n{body}")
+    metadata = card_metadata(config, results, run_name, class_names)
+    return ModelCard(f"---\n{metadata.to_yaml()}\n---\n{body}")
 
 
-def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path) -> None:
+def normalization_text(results: RunResults) -> str:
+    """The input and its normalisation, as the card states them."""
+    values = results.normalization
+    if values is None:  # a run written before results.json recorded it normalised with CIFAR-10's constants
+        values = CIFAR10_NORMALIZATION.to_dict()
+    return f"{values['input']}; {values['formula']}, mean {values['mean']}, std {values['std']} ({values['source']})"
+
+
+def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path, class_names: list[str]) -> None:
     """curves.png and README.md in the output folder; a README.md of the user's there is left as it is."""
     curves = plot_curves(results.history, output_dir / CURVES_FILE)
     card = output_dir / CARD_FILE
     if card.exists() and not is_model_card(card):
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
         return
-    write_atomic(card, str(model_card(config, results, run_name(config, output_dir), curves)))
+    write_atomic(card, str(model_card(config, results, run_name(config, output_dir), class_names, curves)))

@@ -82,6 +82,13 @@ class TrainConfig:
     label_column_name: str | None = _field(
         None, "Label column; default: the first ClassLabel column, else 'label'.", resume="match"
     )
+    normalization: Literal["auto", "computed", "cifar10"] = _field(
+        "auto",
+        "Per-channel mean and std the inputs are normalised with: 'computed' from the training split (cached with "
+        "the decoded images), 'cifar10' (CIFAR-10's published constants), or 'auto': cifar10 for a dataset whose "
+        "classes are CIFAR-10's ten, else computed. Saved with the run (preprocessing.json).",
+        resume="match",
+    )
     val_ratio: float = _field(
         0.1,
         "Fraction of the train split held out for validation (seeded); 0 trains on all of it, with no "

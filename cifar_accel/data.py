@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import io
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,10 +26,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, one_line
 from cifar_accel.progress import progress
+from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
 
 logger = logging.getLogger(__name__)
 
 IMAGE_SIZE = 32
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
 
@@ -36,6 +39,8 @@ LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../
 class Split:
     images: torch.Tensor  # (N, 3, 32, 32) uint8
     labels: torch.Tensor  # (N,) int64
+    # A decoded split's per-channel pixel sums and sums of squares, (2, 3) int64, from the datasets cache
+    pixel_moments: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -50,6 +55,9 @@ class CifarData:
     val: Split
     test: Split
     class_names: list[str]
+    normalization: Normalization
+    image_column: str
+    label_column: str
 
 
 def looks_like_path(name: str) -> bool:
@@ -159,7 +167,7 @@ class DecodeProgress:
 def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str, progress: DecodeProgress) -> dict:
     """Decode encoded images to (3, 32, 32) uint8 arrays; a row that cannot be decoded is named."""
     progress.update(len(indices))
-    pixels, converted = [], []
+    pixels, converted, moments = [], [], []
     for index, image in zip(indices, batch[image_column], strict=True):
         if image is None or (image["bytes"] is None and image["path"] is None):
             raise InputError(f"{split} image {index} (column '{image_column}') is empty; fix or drop that row")
@@ -172,7 +180,9 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
             ) from None
         pixels.append(array)
         converted.append(original is not None)
-    return {"pixels": pixels, "converted": converted}
+        channels = array.reshape(3, -1).astype(np.int64)
+        moments.append(np.stack([channels.sum(1), (channels * channels).sum(1)]))
+    return {"pixels": pixels, "converted": converted, "moments": moments}
 
 
 DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, image_to_rgb32))
@@ -207,6 +217,7 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
         {
             "pixels": datasets.Array3D((3, IMAGE_SIZE, IMAGE_SIZE), "uint8"),
             "converted": datasets.Value("bool"),
+            "moments": datasets.Array2D((2, 3), "int64"),
             label_column: dataset.features[label_column],
         }
     )
@@ -232,7 +243,31 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
     if converted:
         logger.info("%s: converted %d images to %dx%d RGB", split, converted, IMAGE_SIZE, IMAGE_SIZE)
     pixels = decoded["pixels"].combine_chunks().to_numpy(zero_copy_only=False)
-    return Split(torch.tensor(pixels), torch.tensor(decoded[label_column].to_numpy()).long())
+    moments = decoded["moments"].combine_chunks().to_numpy(zero_copy_only=False).sum(0)
+    return Split(torch.tensor(pixels), torch.tensor(decoded[label_column].to_numpy()).long(), torch.tensor(moments))
+
+
+def computed_normalization(split: Split, dataset_name: str) -> Normalization:
+    """The per-channel mean and (population) std of a decoded split's pixels, scaled to [0, 1] and rounded to 4
+    decimals as CIFAR-10's published constants are; from the split's cached integer sums, so exactly the same on
+    every machine."""
+    count = len(split) * IMAGE_SIZE * IMAGE_SIZE
+    sums, squares = (split.pixel_moments[row].tolist() for row in (0, 1))
+    mean = tuple(round(s / count / 255, 4) for s in sums)
+    std = tuple(round(math.sqrt((count * q - s * s) / count**2) / 255, 4) for s, q in zip(sums, squares, strict=True))
+    if min(std) == 0:
+        raise InputError(
+            f"a colour channel has the same value in every training image of '{dataset_name}', so its own statistics "
+            "cannot normalise it; pass --normalization cifar10"
+        )
+    return Normalization(mean, std, f"computed from the {len(split)} training images of {dataset_name}")
+
+
+def choose_normalization(config: TrainConfig, train: Split, class_names: list[str]) -> Normalization:
+    """What ``--normalization`` asks for: CIFAR-10's constants, or statistics computed from the training split
+    (``auto``: the constants for a dataset with CIFAR-10's classes, computed for any other)."""
+    cifar10 = config.normalization == "cifar10" or (config.normalization == "auto" and class_names == CIFAR10_CLASSES)
+    return CIFAR10_NORMALIZATION if cifar10 else computed_normalization(train, config.dataset_name)
 
 
 def class_names_of(label_feature: datasets.features.FeatureType, labels: torch.Tensor) -> list[str]:
@@ -297,7 +332,9 @@ def load_data(config: TrainConfig) -> CifarData:
     if config.max_eval_samples is not None:
         val = val.subset(torch.arange(min(config.max_eval_samples, len(val))))
         test = test.subset(torch.arange(min(config.max_eval_samples, len(test))))
-    return CifarData(train=train, val=val, test=test, class_names=class_names)
+    normalization = choose_normalization(config, full_train, class_names)
+    logger.info("inputs normalised by mean %s, std %s: %s", normalization.mean, normalization.std, normalization.source)
+    return CifarData(train, val, test, class_names, normalization, image_column, label_column)
 
 
 class TrainImages(Dataset):

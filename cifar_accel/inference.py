@@ -25,8 +25,15 @@ from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line
 from cifar_accel.models import build_model
-from cifar_accel.outputs import CONFIG_FILE, LABELS_FILE, REPLACED_RUN, WEIGHTS_FILE, set_aside_note
-from cifar_accel.transforms import BatchTransform
+from cifar_accel.outputs import (
+    CONFIG_FILE,
+    LABELS_FILE,
+    PREPROCESSING_FILE,
+    REPLACED_RUN,
+    WEIGHTS_FILE,
+    set_aside_note,
+)
+from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform, Normalization
 
 EXPECTED_IMAGES = "a non-empty list of PIL images, or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32)"
 
@@ -108,6 +115,21 @@ def read_class_names(path: Path) -> list[str]:
     return names
 
 
+def read_normalization(run_dir: Path) -> Normalization:
+    """The input normalisation a run trained with (preprocessing.json); a run written before the file existed
+    normalised with CIFAR-10's constants. A damaged file is refused in one line."""
+    path = run_dir / PREPROCESSING_FILE
+    if not path.exists():
+        return CIFAR10_NORMALIZATION
+    try:
+        return Normalization.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(
+            f"{path} cannot be read ({type(err).__name__}: {one_line(err)[:200]}); it must hold the 'mean', 'std' "
+            "and 'source' the training run wrote"
+        ) from None
+
+
 def load_model(path: str | Path) -> TrainedModel:
     """The trained model of a run folder, a checkpoint folder or a .safetensors file inside either: the run's
     architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names. A
@@ -136,5 +158,5 @@ def load_model(path: str | Path) -> TrainedModel:
             f"weights in '{weights}' do not fit model '{config.model_name}' with {len(class_names)} classes "
             f"({one_line(err)[:300]})"
         ) from None
-    preprocess = BatchTransform(augment=False, channels_last=config.channels_last)
+    preprocess = BatchTransform(read_normalization(run_dir), channels_last=config.channels_last)
     return TrainedModel(model.eval(), preprocess, class_names, config, weights)

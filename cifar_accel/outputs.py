@@ -25,6 +25,7 @@ WEIGHTS_FILE = "model.safetensors"  # a run's final weights
 RESULTS_FILE = "results.json"  # what a finished run measured (telemetry.run_results)
 CONFIG_FILE = "config.yaml"  # the effective config (config.config_yaml)
 LABELS_FILE = "labels.json"  # the class names, for evaluate, predict and load_model
+PREPROCESSING_FILE = "preprocessing.json"  # the input normalisation (transforms.Normalization), for the same
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"  # the trackers' files: TensorBoard's events under logs/<project_name>/
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
@@ -36,7 +37,7 @@ CARD_MARK = f"library_name: {LIBRARY_NAME}"
 CURVES_FILE = "curves.png"
 # What a training run writes into its folder, and --overwrite_output_dir sets aside (with the model card and, if
 # this package wrote it, config.yaml).
-RUN_FILES = (CHECKPOINTS_DIR, LOGS_DIR, RESULTS_FILE, WEIGHTS_FILE, LABELS_FILE, CURVES_FILE)
+RUN_FILES = (CHECKPOINTS_DIR, LOGS_DIR, RESULTS_FILE, WEIGHTS_FILE, LABELS_FILE, PREPROCESSING_FILE, CURVES_FILE)
 
 
 def is_model_card(path: Path) -> bool:
@@ -70,7 +71,8 @@ def earlier_run_files(folder: Path) -> list[Path]:
     return files + [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else files
 
 
-SHARED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LABELS_FILE, RESULTS_FILE, CURVES_FILE)  # and the card and the events
+# What --push_to_hub uploads, with the model card and the TensorBoard events.
+SHARED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LABELS_FILE, PREPROCESSING_FILE, RESULTS_FILE, CURVES_FILE)
 
 
 def shared_files(folder: Path, project_name: str) -> list[Path]:

@@ -22,12 +22,13 @@ from torch.utils.tensorboard import SummaryWriter
 from torchvision.utils import make_grid
 
 from cifar_accel.plots import MISSING, pyplot
-from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD
+from cifar_accel.transforms import Normalization
 
 logger = get_logger(__name__)
 
 AUGMENTED_IMAGES = 32  # the batch shown at the start
 MISTAKES = 24  # the confident mistakes shown at the end
+LABELLED_CLASSES = 20  # up to this many classes, the figures write each count and accuracy in
 
 
 def tensorboard_writer(accelerator: Accelerator) -> SummaryWriter | None:
@@ -37,34 +38,41 @@ def tensorboard_writer(accelerator: Accelerator) -> SummaryWriter | None:
     return next((t.tracker for t in accelerator.trackers if t.name == "tensorboard"), None)
 
 
-def to_unit_range(inputs: torch.Tensor) -> torch.Tensor:
+def to_unit_range(inputs: torch.Tensor, normalization: Normalization) -> torch.Tensor:
     """Normalised model inputs back to images in [0, 1], for display."""
-    mean = inputs.new_tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
-    std = inputs.new_tensor(CIFAR10_STD).view(1, 3, 1, 1)
+    mean = inputs.new_tensor(normalization.mean).view(1, 3, 1, 1)
+    std = inputs.new_tensor(normalization.std).view(1, 3, 1, 1)
     return (inputs.float() * std + mean).clamp(0, 1)
 
 
-def augmentation_grid(originals: torch.Tensor, augmented: torch.Tensor, zoom: int = 3) -> torch.Tensor:
+def augmentation_grid(
+    originals: torch.Tensor, augmented: torch.Tensor, normalization: Normalization, zoom: int = 3
+) -> torch.Tensor:
     """One (3, H, W) image: the originals (uint8) in the top rows, the augmented inputs (normalised) below, each
     pixel drawn ``zoom`` x ``zoom`` so that 32x32 images can be seen."""
-    both = torch.cat((originals.float().cpu() / 255, to_unit_range(augmented).cpu()))
+    both = torch.cat((originals.float().cpu() / 255, to_unit_range(augmented, normalization).cpu()))
     return make_grid(F.interpolate(both, scale_factor=zoom, mode="nearest"), nrow=8, padding=4, pad_value=1.0)
 
 
 def confusion_figure(confusion: list[list[int]], class_names: list[str], title: str) -> Any:
-    """The confusion matrix, coloured by the fraction of each true class, with the counts written in."""
+    """The confusion matrix, coloured by the fraction of each true class, with the counts written in (up to
+    ``LABELLED_CLASSES`` classes; the figure grows with more)."""
     plt = pyplot()
     matrix = torch.tensor(confusion, dtype=torch.float64)
     fractions = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
-    fig, ax = plt.subplots(figsize=(8, 7), dpi=100)
+    classes = len(class_names)
+    labelled = classes <= LABELLED_CLASSES
+    size = 8 if labelled else min(24, 4 + classes * 0.16)
+    fig, ax = plt.subplots(figsize=(size, size - 1), dpi=100)
     image = ax.imshow(fractions.numpy(), cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(len(class_names)), class_names, rotation=45, ha="right")
-    ax.set_yticks(range(len(class_names)), class_names)
+    tick_size = 10 if labelled else 6
+    ax.set_xticks(range(classes), class_names, rotation=45 if labelled else 90, ha="right", fontsize=tick_size)
+    ax.set_yticks(range(classes), class_names, fontsize=tick_size)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     ax.set_title(title)
-    for i in range(len(class_names)):
-        for j in range(len(class_names)):
+    for i in range(classes if labelled else 0):
+        for j in range(classes):
             ax.text(
                 j,
                 i,
@@ -85,15 +93,16 @@ def per_class_figure(per_class: list[dict[str, Any]], title: str) -> Any:
     names = [row["class"] for row in per_class]
     accuracies = [row["accuracy"] or 0.0 for row in per_class]
     overall = sum(row["correct"] for row in per_class) / max(1, sum(row["total"] for row in per_class))
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    labelled = len(names) <= LABELLED_CLASSES
+    fig, ax = plt.subplots(figsize=(8 if labelled else min(24, 2 + len(names) * 0.16), 4), dpi=100)
     ax.bar(names, accuracies, color="tab:blue")
     ax.axhline(overall, color="tab:red", linestyle="--", label=f"overall {overall:.4f}")
-    for x, accuracy in enumerate(accuracies):
+    for x, accuracy in enumerate(accuracies if labelled else []):
         ax.text(x, accuracy + 0.01, f"{accuracy:.2f}", ha="center", fontsize=8)
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("accuracy")
     ax.set_title(title)
-    ax.tick_params(axis="x", rotation=45)
+    ax.tick_params(axis="x", rotation=45 if labelled else 90, labelsize=10 if labelled else 6)
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
@@ -117,8 +126,10 @@ def mistakes_figure(
     return fig
 
 
-def log_augmentation(writer: SummaryWriter, originals: torch.Tensor, augmented: torch.Tensor) -> None:
-    writer.add_image("train/augmentation", augmentation_grid(originals, augmented), global_step=0)
+def log_augmentation(
+    writer: SummaryWriter, originals: torch.Tensor, augmented: torch.Tensor, normalization: Normalization
+) -> None:
+    writer.add_image("train/augmentation", augmentation_grid(originals, augmented, normalization), global_step=0)
 
 
 def log_test_pictures(

@@ -124,7 +124,7 @@ class TrainerState:
         return None
 
 
-RESULTS_SCHEMA_VERSION = 1
+RESULTS_SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -164,6 +164,9 @@ class RunResults:
     history: list[EpochRecord]
     versions: dict[str, str]
     schema_version: int = RESULTS_SCHEMA_VERSION  # files written before it was recorded are version 1
+    image_column: str | None = None  # the dataset's columns the run read (recorded from schema version 2 on)
+    label_column: str | None = None
+    normalization: dict[str, Any] | None = None  # the input statistics, as preprocessing.json holds them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

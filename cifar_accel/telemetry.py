@@ -113,6 +113,9 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         train_samples=len(run.data.train),
         val_samples=val_samples,
         history=list(history),
+        image_column=run.data.image_column,
+        label_column=run.data.label_column,
+        normalization=run.data.normalization.to_dict(),
         versions={
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -44,6 +44,7 @@ from cifar_accel.outputs import (
     CONFIG_FILE,
     LABELS_FILE,
     LOGS_DIR,
+    PREPROCESSING_FILE,
     RESULTS_FILE,
     check_earlier_run,
     exclusive_output_dir,
@@ -83,7 +84,7 @@ def batch_pipeline(config: TrainConfig, data: CifarData, device: torch.device) -
     on_device = Split(data.train.images.to(device), data.train.labels.to(device))
     alternate_flip = config.augment and config.flip == "alternate"
     loader = make_loader(on_device, config.per_device_train_batch_size, True, config.seed, alternate_flip)
-    return loader, TrainingTransform(config, num_classes=len(data.class_names))
+    return loader, TrainingTransform(config, len(data.class_names), data.normalization)
 
 
 def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str] | str | None) -> Accelerator:
@@ -146,7 +147,7 @@ def set_up_run(
         check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
 
     data, global_batch, learning_rate = load_run_data(config, accelerator)
-    eval_transform = BatchTransform(augment=False, channels_last=config.channels_last)
+    eval_transform = BatchTransform(data.normalization, channels_last=config.channels_last)
     model = build_run_model(config, data, eval_transform)
     base_optimizer = build_optimizer(config, model, learning_rate)
     train_loader, train_transform = train_pipeline(config, data, accelerator.device)
@@ -299,7 +300,7 @@ def finish_run(run: Run) -> RunResults:
         export_weights(accelerator, run.eval_model, output_dir)
         if accelerator.is_main_process:
             write_atomic(output_dir / RESULTS_FILE, json.dumps(results.to_dict(), indent=2))
-            write_model_card(run.config, results, output_dir)
+            write_model_card(run.config, results, output_dir, run.data.class_names)
     except RunFault as err:  # the checkpoints hold the finished run: its resume tests and exports it again
         raise RunFault(f"{err}, then resume with --resume_from_checkpoint latest to test and export again") from None
     log_final_pictures(run, test_stats, results)
@@ -339,7 +340,7 @@ def log_augmented_batch(run: Run) -> None:
     images, labels = (t[:AUGMENTED_IMAGES] for t in (run.data.train.images, run.data.train.labels))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         augmented, _ = run.train_transform(images.to(device), labels.to(device))
-    log_augmentation(writer, images, augmented)
+    log_augmentation(writer, images, augmented, run.data.normalization)
 
 
 def open_run_outputs(run: Run) -> Path | None:
@@ -359,6 +360,7 @@ def open_run_outputs(run: Run) -> Path | None:
             adopt_best_checkpoint(run.last_checkpoint, run.state, output_dir)
         write_atomic(output_dir / CONFIG_FILE, config_yaml(config))
         write_atomic(output_dir / LABELS_FILE, json.dumps({"class_names": run.data.class_names}, indent=2))
+        write_atomic(output_dir / PREPROCESSING_FILE, json.dumps(run.data.normalization.to_dict(), indent=2))
         (output_dir / LOGS_DIR).mkdir(exist_ok=True)
     accelerator.wait_for_everyone()
     start_trackers(accelerator, config, output_dir, run.state.global_step)

@@ -11,6 +11,9 @@ same RNG.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
@@ -22,6 +25,38 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 # ColorJitter's four colour ops, numbered as the columns of its random factors.
 BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """The per-channel mean and standard deviation (of pixel values scaled to [0, 1]) that model inputs are
+    normalised with, and where they come from; a run saves them (preprocessing.json) and every use of its model
+    applies the same."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    source: str
+
+    def to_dict(self) -> dict:
+        """As preprocessing.json states it, with the model's input and the formula."""
+        return {
+            "input": "RGB images as uint8, shape (N, 3, 32, 32)",
+            "formula": "(pixels / 255 - mean) / std, per channel",
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Normalization:
+        """The statistics of a ``to_dict`` dict; a KeyError, TypeError or ValueError where it does not hold them."""
+        mean, std = (tuple(float(x) for x in values[key]) for key in ("mean", "std"))
+        if len(mean) != 3 or len(std) != 3 or not all(math.isfinite(x) and x > 0 for x in std):
+            raise ValueError("'mean' and 'std' must be 3 numbers each, every std finite and above 0")
+        return cls(mean, std, str(values["source"]))
+
+
+CIFAR10_NORMALIZATION = Normalization(CIFAR10_MEAN, CIFAR10_STD, "CIFAR-10's published constants")
 
 
 def random_crop_and_flip(
@@ -108,19 +143,21 @@ def color_jitter(
 
 
 class BatchTransform:
-    """uint8 (N, 3, H, W) batch -> normalised float batch, optionally with the training augmentation: a random
-    translation by up to ``padding`` pixels, a random flip, colour jitter (the chapter's recipe by default)."""
+    """uint8 (N, 3, H, W) batch -> float batch normalised by ``normalization``, optionally with the training
+    augmentation: a random translation by up to ``padding`` pixels, a random flip, colour jitter (the chapter's
+    recipe by default)."""
 
     def __init__(
         self,
-        augment: bool,
+        normalization: Normalization,
+        augment: bool = False,
         channels_last: bool = False,
         padding: int = 4,
         padding_mode: str = "zeros",
         flip: bool = True,
         color_jitter: bool = True,
     ) -> None:
-        self.augment = augment
+        self.normalization, self.augment = normalization, augment
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.padding, self.padding_mode, self.flip, self.color_jitter = padding, padding_mode, flip, color_jitter
 
@@ -130,8 +167,8 @@ class BatchTransform:
         images = images.float().div_(255)
         if self.augment and self.color_jitter:
             images = color_jitter(images, brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1)
-        mean = images.new_tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
-        std = images.new_tensor(CIFAR10_STD).view(1, 3, 1, 1)
+        mean = images.new_tensor(self.normalization.mean).view(1, 3, 1, 1)
+        std = images.new_tensor(self.normalization.std).view(1, 3, 1, 1)
         return ((images - mean) / std).contiguous(memory_format=self.memory_format)
 
 
@@ -140,8 +177,9 @@ class TrainingTransform:
     ``config`` and, with --mixup_alpha or --cutmix_alpha, MixUp or CutMix, whose targets are mixed class
     probabilities. Alternating flips are the training data's (see ``data.TrainImages``), not drawn here."""
 
-    def __init__(self, config: TrainConfig, num_classes: int) -> None:
+    def __init__(self, config: TrainConfig, num_classes: int, normalization: Normalization) -> None:
         self.augment = BatchTransform(
+            normalization,
             config.augment,
             config.channels_last,
             config.crop_padding,

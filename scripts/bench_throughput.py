@@ -110,7 +110,7 @@ def images_per_second(
     accelerator = Accelerator(mixed_precision=precision, cpu=True)
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if hasattr(model, "init_from_data"):
-        model.init_from_data(BatchTransform(augment=False)(data.train.images[:DATA_INIT_IMAGES]))
+        model.init_from_data(BatchTransform(data.normalization)(data.train.images[:DATA_INIT_IMAGES]))
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile_model:

@@ -69,6 +69,52 @@ def write_hub_dataset(root: Path, train_size: int, test_size: int) -> Path:
     return root
 
 
+FINE_NAMES = [f"fine_{i:02d}" for i in range(100)]
+COARSE_NAMES = [f"coarse_{i:02d}" for i in range(20)]
+
+
+def write_cifar100_dataset(root: Path, train_size: int, test_size: int) -> Path:
+    """A dataset folder laid out like the Hub's uoft-cs/cifar100 (columns img, fine_label, coarse_label; 100 fine
+    classes in 20 coarse ones, five each) as parquet. Its images are darker and redder than CIFAR-10's, so its own
+    statistics differ from CIFAR-10's constants."""
+    features = datasets.Features(
+        {
+            "img": datasets.Image(),
+            "fine_label": datasets.ClassLabel(names=FINE_NAMES),
+            "coarse_label": datasets.ClassLabel(names=COARSE_NAMES),
+        }
+    )
+    palette = np.random.default_rng(100).integers(0, 160, size=(100, 3)) + np.array([60, 0, 0])
+    for split, size, seed in (("train", train_size, 0), ("test", test_size, 1)):
+        rng = np.random.default_rng(seed)
+        fine = [i % 100 for i in range(size)]
+        images = [
+            Image.fromarray((palette[label] + rng.normal(0, 20, size=(32, 32, 3))).clip(0, 255).astype(np.uint8))
+            for label in fine
+        ]
+        rows = {"img": images, "fine_label": fine, "coarse_label": [label // 5 for label in fine]}
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        dataset = datasets.Dataset.from_dict(rows, features=features)
+        dataset.to_parquet(root / "data" / f"{split}-00000-of-00001.parquet")
+    return root
+
+
+def write_image_folder(root: Path, class_names: list[str], per_class: dict[str, int]) -> Path:
+    """An image folder as datasets' imagefolder loader reads it: root/<split>/<class>/<n>.png, 40x30 greyscale
+    and RGB images (converted to 32x32 RGB on decoding), each class its own brightness."""
+    rng = np.random.default_rng(7)
+    for split, count in per_class.items():
+        for index, name in enumerate(class_names):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for n in range(count):
+                level = 40 + 170 * index / max(1, len(class_names) - 1)
+                pixels = (level + rng.normal(0, 15, size=(30, 40))).clip(0, 255).astype(np.uint8)
+                image = Image.fromarray(pixels, mode="L")
+                (image if n % 2 else image.convert("RGB")).save(folder / f"{n}.png")
+    return root
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` with a hash of its bytes."""
     return {

@@ -96,7 +96,8 @@ def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_e
     split, _ = load_split(str(tmp_path / "ds"), "test", None, None, None)
     trained = load_model(trained_run)
     with torch.no_grad():
-        expected = trained.model(BatchTransform(False, trained.config.channels_last)(split.images)).argmax(1)
+        preprocess = BatchTransform(trained.preprocess.normalization, False, trained.config.channels_last)
+        expected = trained.model(preprocess(split.images)).argmax(1)
 
     proc = run_cli(["--model", str(trained_run), "--format", "jsonl", "--top_k", "2", str(tmp_path / "images")],
                    cli_env, module="cifar_accel.predict")  # fmt: skip

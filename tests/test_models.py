@@ -15,7 +15,7 @@ from cifar_accel.data import load_split
 from cifar_accel.models import MODELS, build_model
 from cifar_accel.models.fast_net import BIAS_LR_SCALE, patches_of
 from cifar_accel.optim import StepSchedule, build_optimizer
-from cifar_accel.transforms import BatchTransform
+from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform
 
 from conftest import CIFAR10_JPEG, assert_same_run, crashed_copy, read_results, tiny_args
 
@@ -25,7 +25,7 @@ needs_cifar = pytest.mark.skipif(not CIFAR10_JPEG.is_dir(), reason=f"needs the C
 def cifar_images(count: int) -> torch.Tensor:
     """The first ``count`` real training images, normalised as training batches are."""
     images = load_split(str(CIFAR10_JPEG), "train", None, None, max_samples=count)[0].images
-    return BatchTransform(augment=False)(images)
+    return BatchTransform(CIFAR10_NORMALIZATION)(images)
 
 
 @needs_cifar

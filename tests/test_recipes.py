@@ -21,7 +21,7 @@ from cifar_accel.run import Run
 from cifar_accel.state import TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.train import train_epoch
-from cifar_accel.transforms import TrainingTransform, random_crop_and_flip
+from cifar_accel.transforms import CIFAR10_NORMALIZATION, TrainingTransform, random_crop_and_flip
 
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args
 
@@ -63,7 +63,7 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
     """MixUp/CutMix give each image a mix of two classes as its target; the training accuracy still compares the
     predictions with the class labels. The model here always predicts class 0 and does not learn (lr 0)."""
     config = TrainConfig(mixup_alpha=0.4, cutmix_alpha=1.0, channels_last=False, output_dir=str(tmp_path))
-    transform = TrainingTransform(config, num_classes=10)
+    transform = TrainingTransform(config, 10, CIFAR10_NORMALIZATION)
     labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     inputs, targets = transform(images, labels)

@@ -71,7 +71,7 @@ def test_crop_offsets_and_flips_have_torchvisions_distribution():
 
 
 def test_eval_transform_is_deterministic_and_normalised(images):
-    transform = T.BatchTransform(augment=False)
+    transform = T.BatchTransform(T.CIFAR10_NORMALIZATION)
     a, b = transform(images), transform(images)
     assert torch.equal(a, b)
     expected = (images.float() / 255 - torch.tensor(T.CIFAR10_MEAN).view(1, 3, 1, 1)) / torch.tensor(
@@ -81,7 +81,7 @@ def test_eval_transform_is_deterministic_and_normalised(images):
 
 
 def test_train_transform_is_seeded_and_varies(images):
-    transform = T.BatchTransform(augment=True, channels_last=True)
+    transform = T.BatchTransform(T.CIFAR10_NORMALIZATION, augment=True, channels_last=True)
     torch.manual_seed(1)
     a = transform(images)
     torch.manual_seed(1)
@@ -117,8 +117,9 @@ def test_batch_augmentation_has_the_chapter_pipelines_statistics():
     repeats = 20
     torch.manual_seed(0)
     theirs = image_statistics(torch.stack([CHAPTER_TRANSFORM(image) for _ in range(repeats) for image in pil_images]))
-    ours = image_statistics(torch.cat([T.BatchTransform(augment=True)(uint8.clone()) for _ in range(repeats)]))
-    unaugmented = image_statistics(T.BatchTransform(augment=False)(uint8))
+    augment = T.BatchTransform(T.CIFAR10_NORMALIZATION, augment=True)
+    ours = image_statistics(torch.cat([augment(uint8.clone()) for _ in range(repeats)]))
+    unaugmented = image_statistics(T.BatchTransform(T.CIFAR10_NORMALIZATION)(uint8))
     for name in theirs:
         # Paired by image, so the content's own variety cancels and what is left is the augmentations' randomness.
         their_shift = theirs[name].view(repeats, -1) - unaugmented[name]
