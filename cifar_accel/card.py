@@ -3,6 +3,7 @@ training curves it shows (curves.png)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from accelerate.logging import get_logger
@@ -13,6 +14,7 @@ from cifar_accel.data import CIFAR10_CLASSES, looks_like_path
 from cifar_accel.outputs import (
     CARD_FILE,
     CURVES_FILE,
+    EXPORT_FILES,
     LIBRARY_NAME,
     WEIGHTS_FILE,
     is_model_card,
@@ -88,10 +90,38 @@ def card_metadata(config: TrainConfig, results: RunResults, run_name: str, class
     )
 
 
+def exports_text(exports: list[dict]) -> str:
+    """The card's section on the run's exports (cifar_accel.export's descriptions), or nothing without one."""
+    if not exports:
+        return ""
+    rows = []
+    for export in exports:
+        check = export["check"]
+        checked = (
+            f"{check['same_predictions']}/{check['images']} predictions as load_model, probabilities within "
+            f"{check['max_probability_difference']:.1e} ({check['split']} split of `{check['dataset']}`)"
+            if check
+            else "not checked"
+        )
+        source = export["input"]
+        rows.append(f"| `{export['file']}` | {export['format']} | {source['dtype']} {source['values']} | {checked} |")
+    return (
+        "\n## Exported\n\n"
+        "Each takes RGB images of shape (batch, 3, 32, 32), normalises them itself as above, and returns `logits` "
+        "and `probabilities`; its `.json` file beside it says the same.\n\n"
+        "| file | format | input | check |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
 def model_card(
-    config: TrainConfig, results: RunResults, run_name: str, class_names: list[str], curves: bool
+    config: TrainConfig,
+    results: RunResults,
+    run_name: str,
+    class_names: list[str],
+    curves: bool,
+    exports: list[dict] = (),
 ) -> ModelCard:
-    """The card of a finished run, from its config, results.json and class names."""
+    """The card of a finished run, from its config, results.json, class names and exports."""
     hardware = results.hardware
     machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
     tested = (
@@ -131,7 +161,7 @@ Hugging Face Accelerate.
 | input | {normalization_text(results)} |
 
 {curves_text}
-
+{exports_text(list(exports))}
 <details><summary>The effective config (config.yaml)</summary>
 
 ```yaml
@@ -164,6 +194,20 @@ def normalization_text(results: RunResults) -> str:
     return f"{values['input']}; {values['formula']}, mean {values['mean']}, std {values['std']} ({values['source']})"
 
 
+def read_export_description(path: Path) -> dict | None:
+    """An export's description (cifar_accel.export), or None where there is none or it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        description = json.loads(path.read_text())
+        if all(key in description for key in ("file", "format", "input", "check")):
+            return description
+    except (OSError, ValueError):
+        pass
+    logger.warning(f"{path} is not an export description of cifar_accel.export, so the model card does not list it")
+    return None
+
+
 def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path, class_names: list[str]) -> None:
     """curves.png and README.md in the output folder; a README.md of the user's there is left as it is."""
     curves = plot_curves(results.history, output_dir / CURVES_FILE)
@@ -171,4 +215,6 @@ def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path,
     if card.exists() and not is_model_card(card):
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
         return
-    write_atomic(card, str(model_card(config, results, run_name(config, output_dir), class_names, curves)))
+    exports = [read_export_description(output_dir / f"{name}.json") for name in EXPORT_FILES.values()]
+    name = run_name(config, output_dir)
+    write_atomic(card, str(model_card(config, results, name, class_names, curves, [e for e in exports if e])))

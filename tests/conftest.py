@@ -115,6 +115,21 @@ def write_image_folder(root: Path, class_names: list[str], per_class: dict[str, 
     return root
 
 
+@pytest.fixture(scope="session")
+def cifar100_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 training and 200 test images in CIFAR-100's layout, 100 classes."""
+    return write_cifar100_dataset(tmp_path_factory.mktemp("cifar100"), train_size=400, test_size=200)
+
+
+@pytest.fixture(scope="session")
+def cifar100_run(cifar100_dataset: Path, cli_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default recipe on the CIFAR-100-layout dataset's fine labels, one epoch, through the real CLI."""
+    out = tmp_path_factory.mktemp("cifar100_run") / "run"
+    proc = run_cli(tiny_args(cifar100_dataset, out, "--label_column_name", "fine_label"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` with a hash of its bytes."""
     return {

@@ -27,7 +27,6 @@ from conftest import (
     read_results,
     run_cli,
     tiny_args,
-    write_cifar100_dataset,
     write_image_folder,
 )
 
@@ -41,42 +40,27 @@ def numpy_statistics(dataset: Path, split: str = "train") -> tuple[np.ndarray, n
     return pixels.mean((0, 1, 2)), pixels.std((0, 1, 2))
 
 
-@pytest.fixture(scope="module")
-def cifar100(tmp_path_factory) -> Path:
-    """400 training and 200 test images in CIFAR-100's layout, 100 classes."""
-    return write_cifar100_dataset(tmp_path_factory.mktemp("cifar100"), train_size=400, test_size=200)
-
-
-@pytest.fixture(scope="module")
-def fine_run(cifar100, cli_env, tmp_path_factory) -> Path:
-    """The default recipe on the fine labels, through the real CLI."""
-    out = tmp_path_factory.mktemp("fine") / "run"
-    proc = run_cli(tiny_args(cifar100, out, "--label_column_name", "fine_label"), cli_env)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-def test_a_cifar100_layout_run_saves_statistics_of_its_own_training_split(fine_run, cifar100):
-    saved = json.loads((fine_run / "preprocessing.json").read_text())
-    mean, std = numpy_statistics(cifar100)
+def test_a_cifar100_layout_run_saves_statistics_of_its_own_training_split(cifar100_run, cifar100_dataset):
+    saved = json.loads((cifar100_run / "preprocessing.json").read_text())
+    mean, std = numpy_statistics(cifar100_dataset)
     assert np.abs(np.array(saved["mean"]) - mean).max() <= 0.5e-4 + 1e-12  # rounded to 4 decimals
     assert np.abs(np.array(saved["std"]) - std).max() <= 0.5e-4 + 1e-12
     assert np.abs(np.array(saved["mean"]) - CIFAR10_MEAN).max() > 0.05  # this dataset is not CIFAR-10
-    assert saved["source"] == f"computed from the 400 training images of {cifar100}"
-    results = read_results(fine_run)
+    assert saved["source"] == f"computed from the 400 training images of {cifar100_dataset}"
+    results = read_results(cifar100_run)
     assert results["normalization"] == saved
     assert (results["image_column"], results["label_column"]) == ("img", "fine_label")
-    assert json.loads((fine_run / "labels.json").read_text())["class_names"] == FINE_NAMES
-    card = (fine_run / "README.md").read_text()
+    assert json.loads((cifar100_run / "labels.json").read_text())["class_names"] == FINE_NAMES
+    card = (cifar100_run / "README.md").read_text()
     assert re.search(r"trained on cifar\d+ \(`[^`]+`, label column\s+`fine_label`, 100 classes\)", card), card[:600]
     assert f"mean {saved['mean']}, std {saved['std']}" in card
 
 
-def test_load_model_evaluate_and_predict_apply_the_saved_statistics(fine_run, cifar100, cli_env, tmp_path):
-    trained = load_model(fine_run)
-    saved = json.loads((fine_run / "preprocessing.json").read_text())
+def test_load_model_evaluate_and_predict_apply_the_saved_statistics(cifar100_run, cifar100_dataset, cli_env, tmp_path):
+    trained = load_model(cifar100_run)
+    saved = json.loads((cifar100_run / "preprocessing.json").read_text())
     assert list(trained.preprocess.normalization.mean) == saved["mean"]
-    test, class_names = load_split(str(cifar100), "test", None, "fine_label", None)
+    test, class_names = load_split(str(cifar100_dataset), "test", None, "fine_label", None)
     assert class_names == trained.class_names == FINE_NAMES
     # The model sees exactly (pixels / 255 - mean) / std with the saved statistics, and not CIFAR-10's.
     mean, std = (torch.tensor(saved[key]).view(1, 3, 1, 1) for key in ("mean", "std"))
@@ -87,38 +71,39 @@ def test_load_model_evaluate_and_predict_apply_the_saved_statistics(fine_run, ci
     assert torch.allclose(probabilities, expected, atol=1e-6)
     assert (probabilities - with_cifar10).abs().max() > 1e-3
     accuracy = (probabilities.argmax(1) == test.labels).double().mean().item()
-    assert accuracy == pytest.approx(read_results(fine_run)["test_accuracy"], abs=1e-12)
+    assert accuracy == pytest.approx(read_results(cifar100_run)["test_accuracy"], abs=1e-12)
 
-    proc = run_cli(["--model", str(fine_run), "--output_dir", str(tmp_path / "eval")], cli_env, "cifar_accel.evaluate")
+    evaluate = ["--model", str(cifar100_run), "--output_dir", str(tmp_path / "eval")]
+    proc = run_cli(evaluate, cli_env, "cifar_accel.evaluate")
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert metrics["accuracy"] == read_results(fine_run)["test_accuracy"] and metrics["samples"] == 200
+    assert metrics["accuracy"] == read_results(cifar100_run)["test_accuracy"] and metrics["samples"] == 200
     assert len(metrics["confusion_matrix"]) == 100 and "confusion matrix" not in proc.stdout  # too wide to print
     images = tmp_path / "images"
     images.mkdir()
-    first = datasets.load_dataset(str(cifar100), split="test[:3]")
+    first = datasets.load_dataset(str(cifar100_dataset), split="test[:3]")
     for index, row in enumerate(first):
         row["img"].save(images / f"{index}.png")
-    proc = run_cli(["--model", str(fine_run), "--format", "jsonl", str(images)], cli_env, "cifar_accel.predict")
+    proc = run_cli(["--model", str(cifar100_run), "--format", "jsonl", str(images)], cli_env, "cifar_accel.predict")
     assert proc.returncode == 0, proc.stderr
     predicted = [json.loads(line)["top_k"][0]["class"] for line in proc.stdout.splitlines()]
     assert predicted == [FINE_NAMES[i] for i in probabilities[:3].argmax(1)]
 
 
-def test_the_presets_train_coarse_and_fine_labels_and_the_statistics_are_cached(train_here, cifar100, tmp_path, caplog):
+def test_presets_train_coarse_and_fine_labels_and_statistics_are_cached(train_here, cifar100_dataset, tmp_path, caplog):
     """fast and resnet18 with 100 and 20 classes; the next load of the same split takes the decoded images and
     their statistics from the datasets cache."""
     fast = train_here(
-        tiny_args(cifar100, tmp_path / "fast", "--config", "fast", "--label_column_name", "fine_label")
+        tiny_args(cifar100_dataset, tmp_path / "fast", "--config", "fast", "--label_column_name", "fine_label")
         + ["--per_device_train_batch_size", "100", "--per_device_eval_batch_size", "100"]
     )
     assert fast.returncode == 0, fast.stderr
     caplog.clear()
-    again = load_data(TrainConfig(dataset_name=str(cifar100), label_column_name="fine_label", val_ratio=0))
+    again = load_data(TrainConfig(dataset_name=str(cifar100_dataset), label_column_name="fine_label", val_ratio=0))
     assert "train: 400 images from the datasets cache" in caplog.text
     assert again.normalization.to_dict() == json.loads((tmp_path / "fast" / "preprocessing.json").read_text())
     coarse = train_here(
-        tiny_args(cifar100, tmp_path / "coarse", "--config", "resnet18", "--label_column_name", "coarse_label")
+        tiny_args(cifar100_dataset, tmp_path / "coarse", "--config", "resnet18", "--label_column_name", "coarse_label")
         + ["--max_train_samples", "200", "--per_device_train_batch_size", "50"]
     )
     assert coarse.returncode == 0, coarse.stderr
@@ -170,11 +155,11 @@ def test_the_normalization_flag_chooses_the_constants_or_the_datasets_own():
         computed_normalization(uint8_split([[5, 100, 10], [5, 120, 30]]), "d")
 
 
-def test_a_damaged_preprocessing_file_is_refused_in_one_line(fine_run, tmp_path):
+def test_a_damaged_preprocessing_file_is_refused_in_one_line(cifar100_run, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     for name in ("model.safetensors", "config.yaml", "labels.json"):
-        (run / name).write_bytes((fine_run / name).read_bytes())
+        (run / name).write_bytes((cifar100_run / name).read_bytes())
     for damage in ("{", '{"mean": [0.5, 0.5], "std": [0.2, 0.2, 0.2], "source": "x"}', '{"mean": [0, 0, 0]}'):
         (run / "preprocessing.json").write_text(damage)
         with pytest.raises(InputError, match="preprocessing.json cannot be read .*'mean', 'std' and 'source'"):

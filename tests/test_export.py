@@ -1,0 +1,104 @@
+"""cifar_accel.export: ONNX (checked with ONNX Runtime) and torch.export programs of a trained model, taking uint8
+or float images with a dynamic batch axis and normalising them as the run did."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+from cifar_accel.data import load_split
+from cifar_accel.errors import run_cli as run_main
+from cifar_accel.export import check_export
+from cifar_accel.export import main as export_main
+from cifar_accel.inference import load_model
+
+from conftest import run_cli
+
+
+def export(model: Path, env: dict, *extra: str):
+    return run_cli(["--model", str(model), *extra], env, module="cifar_accel.export")
+
+
+def test_onnx_export_of_a_cifar100_run_agrees_with_load_model_in_onnx_runtime(cifar100_run, cifar100_dataset, cli_env):
+    proc = export(cifar100_run, cli_env, "--format", "onnx")
+    assert proc.returncode == 0, proc.stderr
+    description = json.loads((cifar100_run / "model.onnx.json").read_text())
+    check = description["check"]
+    assert check["images"] == check["same_predictions"] == 200 and check["max_probability_difference"] <= 1e-4
+    assert f"checked on 200 images of {cifar100_dataset} (test): 200 predictions the same" in proc.stdout
+    saved = json.loads((cifar100_run / "preprocessing.json").read_text())
+    assert (description["preprocessing"]["mean"], description["preprocessing"]["std"]) == (saved["mean"], saved["std"])
+    assert description["input"]["dtype"] == "uint8" and description["input"]["shape"] == ["batch", 3, 32, 32]
+    assert len(description["class_names"]) == 100
+
+    # The file itself, in ONNX Runtime, at batch sizes other than the one traced: the same as load_model.
+    session = onnxruntime.InferenceSession(str(cifar100_run / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.type for i in session.get_inputs()] == ["tensor(uint8)"]
+    test, _ = load_split(str(cifar100_dataset), "test", None, "fine_label", None)
+    trained = load_model(cifar100_run)
+    for batch in (test.images[:1], test.images[1:8], test.images):
+        logits, probabilities = session.run(None, {"images": batch.numpy()})
+        expected = trained.probabilities(batch).numpy()
+        assert logits.shape == probabilities.shape == (len(batch), 100)
+        assert np.array_equal(probabilities.argmax(1), expected.argmax(1))
+        assert np.abs(probabilities - expected).max() <= 1e-4
+    card = (cifar100_run / "README.md").read_text()
+    assert "## Exported" in card and "| `model.onnx` | onnx | uint8 0..255 | 200/200 predictions as load_model" in card
+
+
+def test_pt2_export_takes_float_images_in_the_unit_range(cifar100_run, cifar100_dataset, cli_env, tmp_path):
+    out = tmp_path / "classifier.pt2"
+    proc = export(cifar100_run, cli_env, "--format", "pt2", "--input", "float32", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.with_name("classifier.pt2.json").read_text())["check"]["same_predictions"] == 200
+    program = torch.export.load(out).module()
+    test, _ = load_split(str(cifar100_dataset), "test", None, "fine_label", 5)
+    logits, probabilities = program(test.images.float() / 255)
+    expected = load_model(cifar100_run).probabilities(test.images)
+    assert torch.equal(probabilities.argmax(1), expected.argmax(1)) and (probabilities - expected).abs().max() < 1e-4
+    assert not (cifar100_run / "model.pt2").exists()  # written where --output says only
+
+
+def test_a_missing_extra_or_a_bad_output_is_one_line_and_exit_2(cifar100_run, cli_env, tmp_path):
+    hidden = tmp_path / "without_onnxruntime"
+    hidden.mkdir()
+    (hidden / "onnxruntime.py").write_text("raise ImportError(\"No module named 'onnxruntime'\")\n")
+    env = {**cli_env, "PYTHONPATH": f"{hidden}:{cli_env['PYTHONPATH']}"}
+    proc = export(cifar100_run, env, "--output", str(tmp_path / "m.onnx"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--format onnx needs the optional extra: pip install 'cifar-accel[export]'" in proc.stderr
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--output", "{tmp}/m.pt2"], "must end in .onnx for --format onnx"),
+        (["--output", "{tmp}/missing/m.onnx"], "does not exist; create it first"),
+        (["--check_dataset", "{tmp}/nowhere", "--output", "{tmp}/x.onnx"], "path '{tmp}/nowhere' does not exist"),
+        (["--check_samples", "0"], "--check_samples must be at least 1"),
+    ],
+)  # fmt: skip
+def test_bad_export_flags_are_refused_before_anything_is_written(cifar100_run, tmp_path, capsys, flags, problem):
+    argv = ["--model", str(cifar100_run), *(flag.format(tmp=tmp_path) for flag in flags)]
+    assert run_main(export_main, argv) == 2
+    assert problem.format(tmp=tmp_path) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_check_counts_disagreements(cifar100_run, cifar100_dataset):
+    trained = load_model(cifar100_run)
+    test, _ = load_split(str(cifar100_dataset), "test", None, "fine_label", 20)
+
+    def shifted(images: torch.Tensor) -> np.ndarray:  # every prediction moved to the next class
+        return trained.probabilities(images).roll(1, dims=1).numpy()
+
+    check = check_export(trained, shifted, test.images, "uint8")
+    assert check["images"] == 20 and check["same_predictions"] == 0 and check["max_probability_difference"] > 0
+    exact = check_export(trained, lambda images: trained.probabilities(images).numpy(), test.images, "uint8")
+    assert exact == {"images": 20, "same_predictions": 20, "max_probability_difference": 0.0}
