@@ -305,6 +305,14 @@ class TrainConfig:
         resume="may_change",
         ge=1,
     )
+    profile_steps: int = _field(
+        0,
+        "Profile N optimizer steps (after 2 more that warm up) with torch.profiler: a trace in <output_dir>/profile/ "
+        "and a table of the top operators by self time, with their input dtype and share of the step; 0: off.",
+        resume="may_change",
+        plumbing=True,
+        ge=0,
+    )
     report_to: str = _field(
         "tensorboard",
         "Trackers: tensorboard, all (every installed one), none, or Accelerate's tracker names "

@@ -35,11 +35,12 @@ CARD_FILE = "README.md"  # the model card (card.py); a README.md without CARD_MA
 LIBRARY_NAME = "cifar-accel"
 CARD_MARK = f"library_name: {LIBRARY_NAME}"
 CURVES_FILE = "curves.png"
+PROFILE_DIR = "profile"  # --profile_steps: the traces and the table of top operators
 EXPORT_FILES = {"onnx": "model.onnx", "pt2": "model.pt2"}  # cifar_accel.export's, each with a .json beside it
 # What a training run writes into its folder, and --overwrite_output_dir sets aside (with the model card and, if
 # this package wrote it, config.yaml).
 RUN_FILES = (
-    (CHECKPOINTS_DIR, LOGS_DIR, RESULTS_FILE, WEIGHTS_FILE, LABELS_FILE, PREPROCESSING_FILE, CURVES_FILE)
+    (CHECKPOINTS_DIR, LOGS_DIR, RESULTS_FILE, WEIGHTS_FILE, LABELS_FILE, PREPROCESSING_FILE, CURVES_FILE, PROFILE_DIR)
     + tuple(EXPORT_FILES.values())
     + tuple(f"{name}.json" for name in EXPORT_FILES.values())
 )

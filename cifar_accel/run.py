@@ -43,6 +43,7 @@ class Run:
     global_batch_size: int
     learning_rate: float
     ema: WeightAverage | None  # the weight average, when --ema_decay is set
+    profiler: torch.profiler.profile | None = None  # while train_epochs runs, with --profile_steps
 
     @property
     def eval_model(self) -> nn.Module:

@@ -63,6 +63,7 @@ from cifar_accel.pictures import (
     tensorboard_writer,
 )
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
+from cifar_accel.profiling import profiled, steps_before_recording
 from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
 from cifar_accel.stopping import StopRequest
@@ -164,6 +165,7 @@ def set_up_run(
         )
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
+    check_profile_steps(config, steps_per_epoch, resumed)
     run = Run(
         config=config,
         accelerator=accelerator,
@@ -190,6 +192,21 @@ def set_up_run(
     if resume_path is not None:
         restore_checkpoint(run, resume_path, resumed, steps_per_epoch)
     return run
+
+
+def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: TrainerState | None) -> None:
+    """--profile_steps must fit in the optimizer steps the run has left, after those the profiler skips."""
+    if not config.profile_steps:
+        return
+    done = resumed.global_step if resumed else 0
+    left = steps_per_epoch * config.num_train_epochs - done
+    needed = config.profile_steps + steps_before_recording()
+    if needed > left:
+        raise InputError(
+            f"--profile_steps {config.profile_steps} needs {needed} optimizer steps ({steps_before_recording()} "
+            f"before the recorded ones) but the run has {left} left; use at most "
+            f"{max(0, left - steps_before_recording())}, or train longer"
+        )
 
 
 def build_run_model(config: TrainConfig, data: CifarData, eval_transform: BatchTransform) -> torch.nn.Module:
@@ -238,22 +255,28 @@ def restore_checkpoint(run: Run, path: Path, resumed: TrainerState, steps_per_ep
 
 
 def train_epochs(run: Run, books: RunBookkeeper) -> None:
-    """The epoch loop: train, validate, step an epoch-wise schedule, then record, log and save the epoch."""
-    for epoch in range(run.state.epoch, run.config.num_train_epochs):
-        if books.stops_early():
-            break
-        train_stats = train_epoch(run, books, epoch)
-        val_stats = None  # --val_ratio 0: no validation
-        if len(run.data.val):
-            val_stats = evaluate_model(run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric)
-        if not run.schedule_per_step:
-            run.scheduler.step()
-        books.end_epoch(train_stats, val_stats)
+    """The epoch loop: train, validate, step an epoch-wise schedule, then record, log and save the epoch; with
+    --profile_steps, under the profiler."""
+    title = f"{run.config.model_name}, {run.precision['effective']}, batch {run.config.per_device_train_batch_size}"
+    with profiled(run.accelerator, run.config.profile_steps, run.output_dir, title) as run.profiler:
+        for epoch in range(run.state.epoch, run.config.num_train_epochs):
+            if books.stops_early():
+                break
+            train_stats = train_epoch(run, books, epoch)
+            val_stats = None  # --val_ratio 0: no validation
+            if len(run.data.val):
+                val_stats = evaluate_model(
+                    run.accelerator, run.eval_model, run.val_loader, run.eval_transform, run.metric
+                )
+            if not run.schedule_per_step:
+                run.scheduler.step()
+            books.end_epoch(train_stats, val_stats)
 
 
 def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
     """One epoch of training steps, and after each optimizer step, in this order: count it (and note whether it
-    stayed finite), log it, step a per-step schedule, update the weight average, save a checkpoint or stop."""
+    stayed finite), log it, step a per-step schedule, update the weight average, mark it for the profiler, save a
+    checkpoint or stop."""
     accelerator = run.accelerator
     averaged = accelerator.unwrap_model(run.model)  # what the weight average follows
     run.model.train()
@@ -273,6 +296,8 @@ def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
             run.scheduler.step()
         if run.ema is not None:
             run.ema.update(averaged)
+        if run.profiler is not None:
+            run.profiler.step()
         books.save_or_stop()
     return books.epoch_training()
 
