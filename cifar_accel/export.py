@@ -85,7 +85,7 @@ def export_program(classifier: ImageClassifier, input_dtype: InputDtype) -> torc
 
 def write_export(classifier: ImageClassifier, export_format: ExportFormat, input_dtype: InputDtype, path: Path) -> None:
     """The exported file at ``path``, written to a temporary name first so that a failure leaves no half file."""
-    temporary = path.with_name(path.name + ".partial")
+    temporary = path.with_name(f"{path.stem}.partial{path.suffix}")  # torch.export.save wants the suffix .pt2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporters' notes on torch internals say nothing about this model
         if export_format == "pt2":

@@ -10,6 +10,7 @@ first input and its share of the recorded steps: the ops autocast moved to bf16 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -114,6 +115,9 @@ def profiled(accelerator: Accelerator, steps: int, output_dir: Path, title: str)
     if not steps:
         yield None
         return
+    # Kineto, the profiler's backend, writes its own notes to stderr, which is kept for the one-line error of the
+    # exit-code contract; a KINETO_LOG_LEVEL of the user's shows them.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     folder = output_dir / PROFILE_DIR
     on_device = accelerator.device.type == "cuda"
 

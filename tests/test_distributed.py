@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,59 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
     assert proc.returncode == 0, proc.stderr
     assert "1 epochs and 1 batches done" in proc.stdout
     assert_same_run(straight, resumed)
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun as the test simulates it: its options skipped, the command started once per "node" with SLURM_NODEID set.
+while [[ $1 == --* ]]; do shift; done
+for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" > "$NODE_LOGS/node$node.log" 2>&1 & done
+status=0
+for job in $(jobs -p); do wait "$job" || status=$?; done
+exit $status
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_slurm_script_on_two_simulated_nodes_matches_the_two_process_run(
+    two_ranks, tiny_dataset, cli_env, tmp_path
+):
+    """scripts/slurm/train.sbatch as sbatch would run it, with srun and scontrol simulated on this machine: two
+    "nodes" (node ranks 0 and 1, one CPU process each, gloo) meet at a rendezvous on 127.0.0.1 and train exactly
+    what torchrun --nproc_per_node 2 trained."""
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir()
+    logs.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf '127.0.0.1\\nnode-b\\n'\n")  # the allocation's nodes
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = two_rank_env(
+        cli_env,
+        PATH=f"{bin_dir}:{cli_env['PATH']}",
+        SLURM_JOB_NODELIST="node-[a-b]",
+        SLURM_NNODES="2",
+        SLURM_SUBMIT_DIR=str(REPO),
+        MASTER_PORT=str(free_port()),
+        PYTHON=sys.executable,
+        NODE_LOGS=str(logs),
+    )
+    command = [
+        "bash",
+        str(REPO / "scripts" / "slurm" / "train.sbatch"),
+        "--cpu",
+        *run_args(tiny_dataset, tmp_path / "run"),
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    node_logs = {path.name: path.read_text() for path in sorted(logs.iterdir())}
+    assert proc.returncode == 0, (proc.stderr, node_logs)
+    assert "cifar_accel on 2 nodes x 1 processes, rendezvous on 127.0.0.1:" in proc.stdout
+    assert "batch 32 per process x 2 processes x 1 accumulation steps = 64 global" in node_logs["node0.log"]
+    results = read_results(tmp_path / "run")
+    assert results["num_processes"] == 2 and results["device"] == "cpu"
+    tensors, max_diff = assert_same_run(two_ranks / "run", tmp_path / "run")
+    print(f"2 simulated SLURM nodes against torchrun's 2 processes: {tensors} tensors bitwise equal ({max_diff})")

@@ -8,7 +8,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import tiny_args, train_in_process
+from conftest import run_cli, tiny_args, train_in_process
 
 CONVOLUTIONS = {"aten::mkldnn_convolution", "aten::convolution_backward", "aten::_convolution", "aten::conv2d"}
 
@@ -54,6 +54,13 @@ def test_the_table_shows_which_operators_autocast_moved_to_bf16(profiled_runs):
         assert rows and {row["input_dtype"] for row in rows} == {dtype}
     assert table(profiled_runs["bf16"])["share_by_input_dtype"].get("bf16", 0) > 0.2
     assert "bf16" not in table(profiled_runs["no"])["share_by_input_dtype"]
+
+
+def test_a_profiled_cli_run_keeps_stderr_empty(tiny_dataset, cli_env, tmp_path):
+    """The exit-code contract keeps stderr for the one-line error: the profiler's own notes stay off it."""
+    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run", "--profile_steps", "2"), cli_env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "profile of 2 optimizer steps, trace and table in" in proc.stdout
 
 
 def test_profiling_changes_nothing_the_run_computes(profiled_runs):
