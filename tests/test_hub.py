@@ -18,7 +18,15 @@ from cifar_accel.outputs import shared_files
 from conftest import read_results, run_cli, tiny_args, train_in_process
 
 # What a run folder shares on the Hub, and nothing else (the README names these).
-SHARED = ["model.safetensors", "config.yaml", "labels.json", "results.json", "curves.png", "README.md"]
+SHARED = [
+    "model.safetensors",
+    "config.yaml",
+    "labels.json",
+    "preprocessing.json",
+    "results.json",
+    "curves.png",
+    "README.md",
+]
 
 
 def test_a_push_without_a_network_fails_after_everything_is_saved_locally(tiny_dataset, cli_env, tmp_path):
