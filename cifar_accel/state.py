@@ -163,7 +163,7 @@ class RunResults:
     val_samples: int = field(metadata=COUNT)
     history: list[EpochRecord]
     versions: dict[str, str]
-    schema_version: int = RESULTS_SCHEMA_VERSION  # files written before it was recorded are version 1
+    schema_version: int = 1  # a file without it is version 1; run_results writes RESULTS_SCHEMA_VERSION
     image_column: str | None = None  # the dataset's columns the run read (recorded from schema version 2 on)
     label_column: str | None = None
     normalization: dict[str, Any] | None = None  # the input statistics, as preprocessing.json holds them

@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 
 from cifar_accel.precision import native_bf16
 from cifar_accel.run import Run
-from cifar_accel.state import EpochRecord, RunResults, TrainerState
+from cifar_accel.state import RESULTS_SCHEMA_VERSION, EpochRecord, RunResults, TrainerState
 
 logger = get_logger(__name__)
 
@@ -116,6 +116,7 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         image_column=run.data.image_column,
         label_column=run.data.label_column,
         normalization=run.data.normalization.to_dict(),
+        schema_version=RESULTS_SCHEMA_VERSION,
         versions={
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -17,7 +17,9 @@ from PIL import Image
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import Split, choose_normalization, computed_normalization, load_data, load_split
 from cifar_accel.errors import InputError
+from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
+from cifar_accel.predict import main as predict_main
 from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_NORMALIZATION, BatchTransform
 
 from conftest import (
@@ -56,7 +58,9 @@ def test_a_cifar100_layout_run_saves_statistics_of_its_own_training_split(cifar1
     assert f"mean {saved['mean']}, std {saved['std']}" in card
 
 
-def test_load_model_evaluate_and_predict_apply_the_saved_statistics(cifar100_run, cifar100_dataset, cli_env, tmp_path):
+def test_load_model_evaluate_and_predict_apply_the_saved_statistics(
+    cifar100_run, cifar100_dataset, cli_env, tmp_path, capsys
+):
     trained = load_model(cifar100_run)
     saved = json.loads((cifar100_run / "preprocessing.json").read_text())
     assert list(trained.preprocess.normalization.mean) == saved["mean"]
@@ -84,27 +88,37 @@ def test_load_model_evaluate_and_predict_apply_the_saved_statistics(cifar100_run
     first = datasets.load_dataset(str(cifar100_dataset), split="test[:3]")
     for index, row in enumerate(first):
         row["img"].save(images / f"{index}.png")
-    proc = run_cli(["--model", str(cifar100_run), "--format", "jsonl", str(images)], cli_env, "cifar_accel.predict")
-    assert proc.returncode == 0, proc.stderr
-    predicted = [json.loads(line)["top_k"][0]["class"] for line in proc.stdout.splitlines()]
+    assert run_main(predict_main, ["--model", str(cifar100_run), "--format", "jsonl", str(images)]) == 0
+    predicted = [json.loads(line)["top_k"][0]["class"] for line in capsys.readouterr().out.splitlines()]
     assert predicted == [FINE_NAMES[i] for i in probabilities[:3].argmax(1)]
 
 
 def test_presets_train_coarse_and_fine_labels_and_statistics_are_cached(train_here, cifar100_dataset, tmp_path, caplog):
     """fast and resnet18 with 100 and 20 classes; the next load of the same split takes the decoded images and
     their statistics from the datasets cache."""
+    small = [
+        "--max_train_samples",
+        "200",
+        "--max_eval_samples",
+        "50",
+        "--per_device_eval_batch_size",
+        "50",
+        "--report_to",
+        "none",
+    ]
     fast = train_here(
         tiny_args(cifar100_dataset, tmp_path / "fast", "--config", "fast", "--label_column_name", "fine_label")
-        + ["--per_device_train_batch_size", "100", "--per_device_eval_batch_size", "100"]
+        + [*small, "--per_device_train_batch_size", "100"]
     )
     assert fast.returncode == 0, fast.stderr
     caplog.clear()
-    again = load_data(TrainConfig(dataset_name=str(cifar100_dataset), label_column_name="fine_label", val_ratio=0))
-    assert "train: 400 images from the datasets cache" in caplog.text
+    config = TrainConfig(dataset_name=str(cifar100_dataset), label_column_name="fine_label", max_train_samples=200)
+    again = load_data(config)
+    assert "train: 200 images from the datasets cache" in caplog.text
     assert again.normalization.to_dict() == json.loads((tmp_path / "fast" / "preprocessing.json").read_text())
     coarse = train_here(
         tiny_args(cifar100_dataset, tmp_path / "coarse", "--config", "resnet18", "--label_column_name", "coarse_label")
-        + ["--max_train_samples", "200", "--per_device_train_batch_size", "50"]
+        + [*small, "--per_device_train_batch_size", "50"]
     )
     assert coarse.returncode == 0, coarse.stderr
     assert json.loads((tmp_path / "coarse" / "labels.json").read_text())["class_names"] == COARSE_NAMES
