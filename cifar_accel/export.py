@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 ExportFormat = Literal["onnx", "pt2"]
 InputDtype = Literal["uint8", "float32"]
-SUFFIXES = {"onnx": ".onnx", "pt2": ".pt2"}  # the default names are outputs.EXPORT_FILES
 ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")  # torch.onnx.export needs the first two, the check the third
 EXTRA_HINT = "pip install 'cifar-accel[export]'"
 INPUT_NAME, OUTPUT_NAMES = "images", ("logits", "probabilities")
@@ -178,8 +177,9 @@ def main(argv: Sequence[str]) -> None:
         require_onnx()
     trained = load_model(args.model)
     path = Path(args.output) if args.output else trained.weights.with_name(EXPORT_FILES[args.format])
-    if path.suffix != SUFFIXES[args.format]:
-        raise InputError(f"--output '{path}' must end in {SUFFIXES[args.format]} for --format {args.format}")
+    suffix = Path(EXPORT_FILES[args.format]).suffix
+    if path.suffix != suffix:
+        raise InputError(f"--output '{path}' must end in {suffix} for --format {args.format}")
     if path.is_dir() or path.resolve() == trained.weights.resolve():
         raise InputError(f"--output '{path}' is a folder or the weights themselves; name a new file")
     if not path.parent.is_dir():

@@ -28,6 +28,7 @@ from cifar_accel.outputs import PROFILE_DIR, write_atomic
 logger = get_logger(__name__)
 
 PROFILE_SKIP, PROFILE_WARMUP = 1, 1  # optimizer steps before the recorded ones: one-time costs, then a warm-up
+STEPS_BEFORE_RECORDING = PROFILE_SKIP + PROFILE_WARMUP
 TOP_OPERATORS = 15
 TABLE_FILE, TABLE_JSON = "top_ops.md", "top_ops.json"
 # The profiler's dtype names (c10's), as the precision flags name them.
@@ -41,10 +42,6 @@ DTYPE_NAMES = {
     "int": "int32",
     "bool": "bool",
 }
-
-
-def steps_before_recording() -> int:
-    return PROFILE_SKIP + PROFILE_WARMUP
 
 
 NOT_TENSORS = {"", "Scalar", "ScalarList", "TensorList", "GenericList"}  # inputs the profiler records no dtype of

@@ -63,7 +63,7 @@ from cifar_accel.pictures import (
     tensorboard_writer,
 )
 from cifar_accel.precision import effective_precision, log_precision_report, precision_report
-from cifar_accel.profiling import profiled, steps_before_recording
+from cifar_accel.profiling import STEPS_BEFORE_RECORDING, profiled
 from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
 from cifar_accel.stopping import StopRequest
@@ -200,12 +200,12 @@ def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: Trai
         return
     done = resumed.global_step if resumed else 0
     left = steps_per_epoch * config.num_train_epochs - done
-    needed = config.profile_steps + steps_before_recording()
+    needed = config.profile_steps + STEPS_BEFORE_RECORDING
     if needed > left:
         raise InputError(
-            f"--profile_steps {config.profile_steps} needs {needed} optimizer steps ({steps_before_recording()} "
+            f"--profile_steps {config.profile_steps} needs {needed} optimizer steps ({STEPS_BEFORE_RECORDING} "
             f"before the recorded ones) but the run has {left} left; use at most "
-            f"{max(0, left - steps_before_recording())}, or train longer"
+            f"{max(0, left - STEPS_BEFORE_RECORDING)}, or train longer"
         )
 
 
