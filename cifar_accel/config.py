@@ -178,6 +178,23 @@ class TrainConfig:
         gt=0,
     )
     muon_momentum: float = _field(0.6, "Muon: momentum of the conv filter banks.", resume="match", ge=0, lt=1)
+    muon_ns_steps: int = _field(
+        5, "Muon: Newton-Schulz iterations that orthogonalise each update.", resume="match", ge=1, le=10
+    )
+    muon_ns_dtype: Literal["float32", "bfloat16"] = _field(
+        "float32",
+        "Muon: the dtype of the Newton-Schulz iterations (bfloat16 is fast on CPUs with AVX-512 BF16 or AMX, "
+        "and on recent GPUs).",
+        resume="match",
+    )
+    whiten_bias_epochs: int = _field(
+        0,
+        "fast_net: train the whitening convolution's bias for this many epochs, its learning rate decaying "
+        "linearly to 0 over them, then keep it; 0 trains it throughout, on the run's schedule. Needs a per-step "
+        "schedule.",
+        resume="match",
+        ge=0,
+    )
     weight_decay: float = _field(
         0.0,
         "Weight decay (coupled for adam and sgd, decoupled for adamw), scaled per parameter group by the model.",
@@ -595,6 +612,16 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
         raise InputError(
             f"Nesterov momentum ({origins['nesterov']}) needs --optimizer sgd or muon and a --momentum above 0, but "
             f"{problem}; add --no-nesterov, or change that"
+        )
+    if config.whiten_bias_epochs and not hasattr(MODELS[config.model_name], "init_from_data"):
+        raise InputError(
+            f"{origins['whiten_bias_epochs']} sets how long a whitening bias trains, but {origins['model_name']} is "
+            f"'{config.model_name}', which has none; use --model fast_net, or --whiten_bias_epochs 0"
+        )
+    if config.whiten_bias_epochs and not per_step:
+        raise InputError(
+            f"{origins['whiten_bias_epochs']} needs a per-step schedule, but {origins['lr_scheduler_type']} is "
+            f"'{config.lr_scheduler_type}'; use --lr_scheduler_type linear or cosine_steps, or --whiten_bias_epochs 0"
         )
     if config.warmup_ratio and not per_step:
         raise InputError(

@@ -33,6 +33,7 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
                 "params": g["params"],
                 "lr": learning_rate * g["lr_scale"],
                 "weight_decay": config.weight_decay * g["weight_decay_scale"],
+                "whitening_bias": g.get("whitening_bias", False),
             }
             for g in model.parameter_groups()
         ]
@@ -50,6 +51,8 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
                 "momentum": config.muon_momentum,
                 "weight_decay": 0.0,
                 "muon": True,
+                "ns_steps": config.muon_ns_steps,
+                "ns_dtype": config.muon_ns_dtype,
             }
         )
         return MuonSGD(
@@ -71,12 +74,14 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
     return adam(groups, lr=learning_rate, weight_decay=config.weight_decay)
 
 
-def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """An approximate orthogonalisation of ``matrix`` (rows x columns), in float32: U S' V^T for its SVD U S V^T,
-    with every S' near 1 (0.7-1.2). Muon's quintic Newton-Schulz iteration, with its coefficients (Keller
-    Jordan, 2024)."""
+def newton_schulz(
+    matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32, eps: float = 1e-7
+) -> torch.Tensor:
+    """An approximate orthogonalisation of ``matrix`` (rows x columns), computed in ``dtype``: U S' V^T for its
+    SVD U S V^T, with every S' near 1 (0.7-1.2 after 5 steps). Muon's quintic Newton-Schulz iteration, with its
+    coefficients (Keller Jordan, 2024)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = matrix.float()
+    x = matrix.to(dtype)
     x = x / (x.norm() + eps)
     wide = x.size(0) <= x.size(1)
     if not wide:
@@ -94,10 +99,19 @@ class MuonSGD(torch.optim.Optimizer):
     SGD: ``d = g + weight_decay * p``, ``buf = momentum * buf + d``, a step of ``lr`` along ``d + momentum * buf``
     (Nesterov) or ``buf``, as ``torch.optim.SGD`` without dampening. Muon (airbench94_muon's): the same momentum
     without weight decay, then each filter bank is renormalised to norm sqrt(output channels) and steps by ``lr``
-    along the Newton-Schulz orthogonalisation of its update, seen as an (output channels x rest) matrix."""
+    along the Newton-Schulz orthogonalisation of its update (``ns_steps`` iterations in ``ns_dtype``), seen as an
+    (output channels x rest) matrix."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool, weight_decay: float) -> None:
-        defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay, "muon": False}
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "muon": False,
+            "ns_steps": 5,
+            "ns_dtype": "float32",
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -118,7 +132,9 @@ class MuonSGD(torch.optim.Optimizer):
                 update = update.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
                 if group["muon"]:
                     p.mul_(len(p) ** 0.5 / p.norm())
-                    update = newton_schulz(update.reshape(len(p), -1)).view_as(p)
+                    matrix = update.reshape(len(p), -1)
+                    dtype = getattr(torch, group["ns_dtype"])
+                    update = newton_schulz(matrix, group["ns_steps"], dtype).to(p.dtype).view_as(p)
                 p.add_(update, alpha=-group["lr"])
         return loss
 
@@ -147,7 +163,8 @@ def build_scheduler(
     config: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning-rate schedule: epoch-wise (``step``, ``cosine``; stepped at each epoch's end) or per
-    optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``Run.schedule_per_step``)."""
+    optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``Run.schedule_per_step``).
+    With --whiten_bias_epochs, the whitening bias's group decays linearly to 0 over those epochs instead."""
     if config.lr_scheduler_type in PER_STEP_SCHEDULES:
         total = config.num_train_epochs * steps_per_epoch
         schedule = StepSchedule(
@@ -157,7 +174,12 @@ def build_scheduler(
             config.lr_start_factor,
             config.lr_end_factor,
         )
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        whitening = StepSchedule("linear", config.whiten_bias_epochs * steps_per_epoch, 0, 1.0, 0.0)
+        schedules = [
+            whitening if config.whiten_bias_epochs and group.get("whitening_bias") else schedule
+            for group in optimizer.param_groups
+        ]
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     if config.lr_scheduler_type == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)

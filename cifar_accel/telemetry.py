@@ -22,13 +22,20 @@ from cifar_accel.state import RESULTS_SCHEMA_VERSION, EpochRecord, RunResults, T
 logger = get_logger(__name__)
 
 
+# The CPU flags that decide how fast a recipe runs: the vector and matrix extensions, bf16 among them.
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
 def hardware() -> dict[str, Any]:
-    """What a run ran on: the CPU (model, cores, native bf16), torch's CPU capability and the GPU."""
+    """What a run ran on: the CPU (model, cores, its ``SPEED_FLAGS``, native bf16), torch's CPU capability and
+    the GPU."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
         info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+        info["cpu_flags"] = [flag for flag in SPEED_FLAGS if flag in flags]
         info["cpu_native_bf16"] = native_bf16()
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if torch.cuda.is_available():

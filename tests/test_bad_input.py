@@ -96,6 +96,11 @@ CASES = [
      ["Nesterov momentum ('nesterov' in the fast preset)", "but --optimizer is adam", "add --no-nesterov"]),
     ("warmup-without-per-step-schedule", ["--warmup_ratio", "0.1"], 2,
      ["a warm-up (--warmup_ratio) needs a per-step schedule", "'lr_scheduler_type' (the default) is 'step'"]),
+    ("whitening-bias-without-whitening", ["--whiten_bias_epochs", "3"], 2,
+     ["--whiten_bias_epochs sets how long a whitening bias trains", "'simple_cnn', which has none"]),
+    ("whitening-bias-epoch-schedule", ["--config", "fast", "--lr_scheduler_type", "cosine"], 2,
+     ["'whiten_bias_epochs' in the fast preset needs a per-step schedule", "--lr_scheduler_type is 'cosine'"]),
+    ("ns-dtype-unknown", ["--muon_ns_dtype", "float16"], 2, ["muon_ns_dtype", "invalid choice"]),
 ]  # fmt: skip
 MAKERS = {
     "unknown-key": unknown_key_yaml,

@@ -44,6 +44,78 @@ def test_newton_schulz_agrees_with_torch_muon_on_a_matrix():
     assert (-weight.detach() - ours).abs().max() < 0.1 * ours.abs().max()
 
 
+@pytest.mark.parametrize("shape", [(64, 216), (256, 2304)])
+def test_three_bfloat16_newton_schulz_steps_stay_within_bfloat16_rounding_of_the_exact_iteration(shape):
+    """airbench94_muon's iteration (3 steps in bfloat16) against the same 3 steps in float64: bfloat16 keeps 8
+    bits, so each product is within about 0.4% and the result within a few percent; its singular values are in
+    the same band as the exact iteration's."""
+    torch.manual_seed(0)
+    matrix = torch.randn(*shape, dtype=torch.float64)
+    fast, exact = newton_schulz(matrix, 3, torch.bfloat16), newton_schulz(matrix, 3, torch.float64)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.double() - exact).norm() / exact.norm() < 0.05
+    singular_values, exact_values = torch.linalg.svdvals(fast.double()), torch.linalg.svdvals(exact)
+    assert (singular_values - exact_values).abs().max() < 0.05
+    assert singular_values.min() > 0.6 and singular_values.max() < 1.25
+
+
+def test_the_muon_group_takes_its_newton_schulz_steps_and_dtype_from_the_config():
+    torch.manual_seed(4)
+    model = build_model("fast_net", num_classes=10)
+    config = TrainConfig(optimizer="muon", momentum=0.85, nesterov=True, muon_ns_steps=3, muon_ns_dtype="bfloat16")
+    optimizer = build_optimizer(config, model, learning_rate=1.0)
+    muon = optimizer.param_groups[-1]
+    assert (muon["ns_steps"], muon["ns_dtype"]) == (3, "bfloat16")
+    bank = muon["params"][0]
+    bank.grad = torch.randn_like(bank)
+    before, grad = bank.detach().clone(), bank.grad.clone()
+    optimizer.step()
+    renormalised = before * (len(before) ** 0.5 / before.norm())
+    orthogonalised = newton_schulz((grad + 0.6 * grad).reshape(len(bank), -1), 3, torch.bfloat16)  # Nesterov
+    assert torch.allclose(bank.detach(), renormalised - 0.24 * orthogonalised.float().view_as(bank), atol=1e-6)
+    # 5 float32 steps take another step: the config chose this one
+    assert not torch.allclose(orthogonalised.float(), newton_schulz(grad.reshape(len(bank), -1) * 1.6), atol=1e-3)
+
+
+def test_the_whitening_bias_learns_for_its_epochs_with_a_decay_of_its_own_then_stays():
+    """--whiten_bias_epochs 3 with 10 steps an epoch: the whitening bias's rate falls linearly from 64x the
+    base rate to 0 at step 30 while the others follow the run's linear decay over 8 epochs; after step 30 real
+    training steps leave the bias as it is and change the BatchNorm biases; the schedule survives a state-dict
+    round trip, as in a checkpoint."""
+    torch.manual_seed(5)
+    model = build_model("fast_net", num_classes=10)
+    config = TrainConfig(model_name="fast_net", optimizer="muon", momentum=0.85, nesterov=True, num_train_epochs=8,
+                         lr_scheduler_type="linear", lr_start_factor=1.0, whiten_bias_epochs=3)  # fmt: skip
+    optimizer = build_optimizer(config, model, learning_rate=1.0)
+    scheduler = build_scheduler(config, optimizer, steps_per_epoch=10)
+    plain, norm_biases, whitening, _ = optimizer.param_groups
+    loss_fn = torch.nn.CrossEntropyLoss()
+    images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+
+    def step() -> None:
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    for _ in range(15):
+        step()
+    assert whitening["lr"] == pytest.approx(64 * 0.5) and norm_biases["lr"] == pytest.approx(64 * (1 - 15 / 80))
+    assert plain["lr"] == pytest.approx(1 - 15 / 80)
+    saved = copy.deepcopy(scheduler.state_dict())
+    for _ in range(15):
+        step()
+    assert whitening["lr"] == 0.0 and norm_biases["lr"] == pytest.approx(64 * (1 - 30 / 80))
+    bias, norm_bias = model.whiten.bias.detach().clone(), norm_biases["params"][0].detach().clone()
+    for _ in range(3):
+        step()
+    assert torch.equal(model.whiten.bias, bias) and not torch.equal(norm_biases["params"][0], norm_bias)
+
+    resumed = build_scheduler(config, build_optimizer(config, build_model("fast_net", 10), 1.0), steps_per_epoch=10)
+    resumed.load_state_dict(saved)
+    assert [schedule.total_steps for schedule in resumed.lr_lambdas] == [80, 80, 30, 80]
+
+
 def test_the_sgd_groups_step_exactly_as_torch_sgd_and_the_muon_group_as_its_formula():
     torch.manual_seed(2)
     plain, filters = torch.randn(10, 256), torch.randn(8, 4, 3, 3)
@@ -81,8 +153,10 @@ def test_muon_gets_every_trained_filter_bank_and_sgd_the_rest_with_the_models_sc
     assert (muon["muon"], muon["lr"], muon["momentum"], muon["weight_decay"]) == (True, 0.3, 0.5, 0.0)
     assert not any(g["muon"] for g in sgd_groups) and all(g["momentum"] == 0.85 for g in sgd_groups)
     assert sgd_groups[0]["lr"] == 1.5 and sgd_groups[0]["weight_decay"] == 2e-3  # the plain group first, logged
-    if name == "fast_net":  # the classifier, then the biases at 64x the rate
-        assert [len(g["params"]) for g in sgd_groups] == [1, 7] and sgd_groups[1]["lr"] == 1.5 * 64
+    if name == "fast_net":  # the classifier, then BatchNorm's biases and the whitening bias at 64x the rate
+        assert [len(g["params"]) for g in sgd_groups] == [1, 6, 1] and sgd_groups[1]["lr"] == 1.5 * 64
+        assert sgd_groups[2]["params"][0] is model.whiten.bias and sgd_groups[2]["lr"] == 1.5 * 64
+        assert [g["whitening_bias"] for g in sgd_groups] == [False, False, True]
         assert not model.whiten.weight.requires_grad and all(id(p) != id(model.whiten.weight) for p in muon["params"])
     scheduler = build_scheduler(config, optimizer, steps_per_epoch=10)  # linear 1 -> 0 over 30 epochs x 10 steps
     for _ in range(150):

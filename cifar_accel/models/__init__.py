@@ -6,7 +6,8 @@ A model may define two optional hooks, found by name:
   ``accelerator.prepare``; whatever it computes must live in the weights, so a checkpoint or
   ``model.safetensors`` alone reproduces it (for example, the whitening filters of ``FastNet``);
 - ``parameter_groups()``: the parameters in groups, each with an ``lr_scale`` and a ``weight_decay_scale``
-  applied to the optimizer's settings (for example, a larger learning rate for the BatchNorm biases).
+  applied to the optimizer's settings (for example, a larger learning rate for the BatchNorm biases), and
+  ``whitening_bias: True`` on the group that ``--whiten_bias_epochs`` schedules on its own.
 """
 
 from __future__ import annotations

@@ -74,15 +74,18 @@ class FastNet(nn.Module):
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
     def parameter_groups(self) -> list[dict]:
-        """Every trained weight but the biases (the whitening's and BatchNorm's), and those with
-        ``BIAS_LR_SCALE`` times the learning rate and the weight decay divided by it (the decay per step,
-        learning rate x weight decay, stays the same)."""
-        biases = [self.whiten.bias, *(m.bias for m in self.modules() if isinstance(m, nn.BatchNorm2d))]
-        ids = {id(p) for p in biases}
+        """Every trained weight but the biases, then the biases (BatchNorm's, and the whitening's in a group of
+        its own, marked ``whitening_bias`` for --whiten_bias_epochs) with ``BIAS_LR_SCALE`` times the learning
+        rate and the weight decay divided by it (the decay per step, learning rate x weight decay, stays the
+        same)."""
+        norm_biases = [m.bias for m in self.modules() if isinstance(m, nn.BatchNorm2d)]
+        ids = {id(p) for p in (self.whiten.bias, *norm_biases)}
         others = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
+        bias_scales = {"lr_scale": BIAS_LR_SCALE, "weight_decay_scale": 1 / BIAS_LR_SCALE}
         return [  # the plain group first: the learning rate that logs and records report is its
             {"params": others, "lr_scale": 1.0, "weight_decay_scale": 1.0},
-            {"params": biases, "lr_scale": BIAS_LR_SCALE, "weight_decay_scale": 1 / BIAS_LR_SCALE},
+            {"params": norm_biases, **bias_scales},
+            {"params": [self.whiten.bias], **bias_scales, "whitening_bias": True},
         ]
 
 

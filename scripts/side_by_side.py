@@ -1,0 +1,155 @@
+"""Run the record recipe (airbench94_muon, ported to this CPU) beside the fast preset: the same data, precision
+and seed, one thread each, at the same time, so that both see the same machine. Prints and writes a table of
+each seed's accuracy with and without test-time augmentation, wall and CPU time, and the preset's ratios.
+
+    python scripts/side_by_side.py --anchor ../shared/anchors/airbench94_muon_cpu.py \\
+        --dataset_name ../shared/data/cifar10-jpeg --precision bf16 --seeds 0 1 2 --output_dir outputs/side_by_side
+
+Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --num_train_epochs 10``). Each
+seed's pair writes ``seed<N>/`` (both logs, the preset's run folder, ``pair.json``); a seed whose ``pair.json``
+exists is not run again, so a stopped comparison goes on where it was. The table is ``side_by_side.md`` and
+``side_by_side.json``.
+
+Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
+from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
+which it does in every run. Each script's own figure (``own s``) is what it reports: the anchor times its
+training and TTA evaluation, the preset its epochs and test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cifar_accel.config import TrainConfig
+from cifar_accel.data import load_data
+from cifar_accel.state import read_results
+from cifar_accel.telemetry import hardware
+
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+ANCHOR_RESULT = re.compile(r"tta_acc (?P<tta>[\d.]+) plain_acc (?P<plain>[\d.]+) time (?P<own>[\d.]+) s")
+
+
+def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
+    """``command`` started on one thread, its output to ``log``; and when it started."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
+    return proc, time.perf_counter()
+
+
+def finish(proc: subprocess.Popen, started: float, name: str, log: Path) -> dict[str, float]:
+    """Wait for ``proc``; its wall and CPU seconds (user + system, its children included)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"error: the {name} failed (exit code {os.waitstatus_to_exitcode(status)}); see {log}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder: Path) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    anchor_command = [
+        sys.executable,
+        args.anchor,
+        args.dataset_name,
+        "--precision",
+        args.precision,
+        "--seed",
+        str(seed),
+    ]
+    preset_command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+        "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name", args.dataset_name,
+        "--mixed_precision", args.precision, "--seed", str(seed), "--output_dir", str(folder / "preset"), *train_args,
+    ]  # fmt: skip
+    runs = {
+        "anchor": start(anchor_command, folder / "anchor.log"),
+        "preset": start(preset_command, folder / "preset.log"),
+    }
+    times = {name: finish(*run, name, folder / f"{name}.log") for name, run in runs.items()}
+    found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
+    if found is None:
+        sys.exit(f"error: no result line in {folder / 'anchor.log'}")
+    results = read_results(folder / "preset" / "results.json")
+    own_preset = sum(record.epoch_seconds for record in results.history)
+    pair = {
+        "seed": seed,
+        "anchor": {"tta": float(found["tta"]), "plain": float(found["plain"]), "own_s": float(found["own"]),
+                   **times["anchor"], "command": anchor_command},
+        "preset": {"tta": results.test_accuracy, "plain": results.test_accuracy_no_tta, "own_s": own_preset,
+                   "epochs": results.epochs_completed, **times["preset"], "command": preset_command},
+    }  # fmt: skip
+    (folder / "pair.json").write_text(json.dumps(pair, indent=2))
+    return pair
+
+
+def table(pairs: list[dict], env: dict) -> str:
+    lines = [
+        f"# Side by side: airbench94_muon (CPU port) and the fast preset, {env['precision']}, one thread each",
+        "",
+        f"- CPU: {env['cpu']} ({env['cpu_cores']} cores); flags: {', '.join(env['cpu_flags']) or 'none of note'}",
+        f"- torch {env['torch']}, {env['threads']} thread per process; both processes at the same time",
+        "",
+        "| seed | script | TTA acc | plain acc | own s | wall s | CPU s | wall vs anchor | CPU vs anchor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pair in pairs:
+        anchor = pair["anchor"]
+        for name in ("anchor", "preset"):
+            run = pair[name]
+            lines.append(
+                f"| {pair['seed']} | {name} | {100 * run['tta']:.2f} | {100 * run['plain']:.2f} | {run['own_s']:.0f} "
+                f"| {run['wall_s']:.0f} | {run['cpu_s']:.0f} | {run['wall_s'] / anchor['wall_s']:.2f}x "
+                f"| {run['cpu_s'] / anchor['cpu_s']:.2f}x |"
+            )
+    lines.append("")
+    for name in ("anchor", "preset"):
+        tta = [100 * p[name]["tta"] for p in pairs]
+        plain = [100 * p[name]["plain"] for p in pairs]
+        wall = sum(p[name]["wall_s"] for p in pairs) / sum(p["anchor"]["wall_s"] for p in pairs)
+        cpu = sum(p[name]["cpu_s"] for p in pairs) / sum(p["anchor"]["cpu_s"] for p in pairs)
+        spread = f" ± {statistics.pstdev(tta):.2f}" if len(tta) > 1 else ""
+        lines.append(
+            f"- {name}: TTA {statistics.fmean(tta):.2f}%{spread} (min {min(tta):.2f}), plain "
+            f"{statistics.fmean(plain):.2f}% over {len(pairs)} seeds; wall {wall:.2f}x, CPU {cpu:.2f}x the anchor's"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--anchor", required=True, help="Path of airbench94_muon_cpu.py.")
+    parser.add_argument("--dataset_name", default="../shared/data/cifar10-jpeg")
+    parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--output_dir", default="outputs/side_by_side")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
+    load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
+    env = {**hardware(), "torch": torch.__version__, "precision": args.precision, "threads": 1}
+    pairs = []
+    for seed in args.seeds:
+        folder = output_dir / f"seed{seed}"
+        done = folder / "pair.json"
+        pairs.append(json.loads(done.read_text()) if done.exists() else run_pair(args, train_args, seed, folder))
+        print(table(pairs[-1:], env), flush=True)
+    (output_dir / "side_by_side.json").write_text(json.dumps({"environment": env, "pairs": pairs}, indent=2))
+    (output_dir / "side_by_side.md").write_text(table(pairs, env))
+    print(table(pairs, env))
+
+
+if __name__ == "__main__":
+    main()
