@@ -130,6 +130,8 @@ def model_card(
         else f"the weights of the last epoch, {results.tested_epoch} (no validation split)"
     )
     averaged = f", averaged (EMA, decay {config.ema_decay})" if config.ema_decay else ""
+    below = config.tta_below_confidence
+    selective = f" --tta_below_confidence {below:g}" if below < 1 and results.tta != "none" else ""
     curves_text = f"![training curves]({CURVES_FILE})" if curves else "(matplotlib was not installed: no curves.png)"
     body = f"""
 # {run_name}
@@ -180,7 +182,7 @@ classifier.predict([image], top_k=3)              # PIL images, or a uint8 batch
 ```
 
 or from the command line: `python -m cifar_accel.predict --model path/to/this/folder images/` and
-`python -m cifar_accel.evaluate --model path/to/this/folder --tta {results.tta}`.
+`python -m cifar_accel.evaluate --model path/to/this/folder --tta {results.tta}{selective}`.
 """  # noqa: E501 - table rows
     metadata = card_metadata(config, results, run_name, class_names)
     return ModelCard(f"---\n{metadata.to_yaml()}\n---\n{body}")

@@ -1,12 +1,17 @@
-"""Compare precisions: train one config under each precision this machine supports, then write a report.
+"""Compare precisions and seeds: train one config under each precision this machine supports and each seed, then
+write a report.
 
     python -m cifar_accel.compare --dataset_name ../shared/data/cifar10-jpeg --num_train_epochs 5
+    python -m cifar_accel.compare --config fast --precisions bf16 --seeds 0 1 2 --jobs 2   # seed statistics
 
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
-an interrupted one is resumed. The report is ``report.md`` (table and plots), ``report.json`` (the same numbers)
-and PNG plots (with the ``plots`` extra): validation accuracy and training loss per epoch, epoch time and peak
-memory, and for fp16 the loss scale.
+an interrupted one is resumed, so a stopped comparison goes on where it was when started again. ``--jobs N``
+trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The report
+is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
+validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It
+gives each seed's test accuracy with and without test-time augmentation and its training time, their mean, std,
+min and max, and the environment: the CPU's model and flags, torch, the precision and the threads per run.
 """
 
 from __future__ import annotations
@@ -14,20 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import statistics
 import subprocess
 import sys
 import typing
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, positive_int, run_cli
 from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_atomic, write_atomic
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
@@ -55,6 +63,13 @@ def build_parser() -> ArgumentParser:
         help="Precisions to compare (default: all; those this machine lacks are skipped).",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="One run per seed (default: 42).")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="Runs trained at a time, each on cores / jobs threads (default: 1). Small models train faster on one "
+        "thread per core: on 2 cores, 2 single-thread runs finish two seeds sooner than 2 two-thread runs in turn.",
+    )
     parser.add_argument("--output_dir", type=non_empty, default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
@@ -77,8 +92,9 @@ def finished_results(run_dir: Path) -> RunResults | None:
         return None
 
 
-def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -> RunResults:
-    """The results of one finished run: reused when present, else trained (or resumed) in a subprocess."""
+def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path, threads: int | None) -> RunResults:
+    """The results of one finished run: reused when present, else trained (or resumed) in a subprocess; with
+    ``threads``, on that many threads and with its output in ``<run_dir>.log``."""
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
     results = finished_results(run_dir)
@@ -89,7 +105,13 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path) -
         argv += ["--resume_from_checkpoint", "latest"]  # finishes, extends, or refuses a different config
     command = [sys.executable, "-m", "cifar_accel.train", *argv]
     logger.info(f"{run_dir.name}: {shlex.join(command)}")
-    proc = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if threads is None:
+        proc = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        with run_dir.with_suffix(".log").open("w") as log:
+            proc = subprocess.run(command, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+        logger.info(f"{run_dir.name}: finished (its output is in {run_dir.with_suffix('.log')})")
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
         reason = lines[-1].removeprefix("error: ") if lines else f"exit code {proc.returncode}"
@@ -113,6 +135,11 @@ def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
 
 def mean_and_spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
+
+
+def train_seconds(results: RunResults) -> float:
+    """The run's training time: its epochs' seconds (validation included), summed over its resumes."""
+    return sum(record.epoch_seconds for record in results.history)
 
 
 def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[str, Any]:
@@ -139,6 +166,19 @@ def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[
         "peak_memory_measure": results[0].peak_memory_measure,
         "best_val_accuracy": over_seeds("best_val_accuracy"),
         "test_accuracy": over_seeds("test_accuracy"),
+        "test_accuracy_no_tta": over_seeds("test_accuracy_no_tta"),
+        "train_seconds": mean_and_spread([train_seconds(r) for r in results]),
+        "per_seed": [
+            {
+                "seed": seed,
+                "test_accuracy": r.test_accuracy,
+                "test_accuracy_no_tta": r.test_accuracy_no_tta,
+                "tta": r.tta,
+                "train_seconds": train_seconds(r),
+                "epochs": r.epochs_completed,
+            }
+            for seed, (_, r) in sorted(runs.items())
+        ],
         "skipped_steps": over_seeds("skipped_steps"),
         "val_accuracy_per_epoch": per_epoch("val_accuracy"),
         "train_accuracy_per_epoch": per_epoch("train_accuracy"),
@@ -223,6 +263,26 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
     return written
 
 
+def seed_table(summary: dict[str, Any]) -> list[str]:
+    """One precision's runs, a row per seed, then the mean, std, min and max over them."""
+    tta = summary["per_seed"][0]["tta"]
+    lines = [
+        f"`{summary['precision']}`, each seed (test accuracy in %, with TTA `{tta}` and without):",
+        "",
+        "| seed | test acc | without TTA | train s |",
+        "|---|---|---|---|",
+    ]
+    for run in summary["per_seed"]:
+        lines.append(
+            f"| {run['seed']} | {100 * run['test_accuracy']:.2f} | {100 * run['test_accuracy_no_tta']:.2f} "
+            f"| {run['train_seconds']:.0f} |"
+        )
+    stats = [summary[key] for key in ("test_accuracy", "test_accuracy_no_tta", "train_seconds")]
+    for name in ("mean", "std", "min", "max"):
+        lines.append(f"| {name} | {100 * stats[0][name]:.2f} | {100 * stats[1][name]:.2f} | {stats[2][name]:.0f} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     def pm(stat: dict[str, float] | None, fmt: str) -> str:
         if stat is None:  # runs without validation have no best validation accuracy
@@ -236,12 +296,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"- Hardware: {hw.get('gpu') or hw['cpu']} ({hw['cpu_cores']} CPU cores; torch CPU capability "
-        f"{hw['torch_cpu_capability']}"
+        f"- Hardware: {hw.get('gpu') or hw['cpu']} ({hw['cpu_cores']} CPU cores; flags "
+        f"{' '.join(hw.get('cpu_flags', [])) or 'none of note'}; torch CPU capability {hw['torch_cpu_capability']}"
         + (f", native bf16: {hw['cpu_native_bf16']}" if "cpu_native_bf16" in hw else "")
         + f"); device `{report['precisions'][0]['device']}`",
         f"- Software: {versions}",
         f"- Config: {report['config_summary']}; seeds {', '.join(map(str, report['seeds']))}",
+        f"- {report['jobs']} run(s) at a time, {report['threads_per_run']} thread(s) each",
     ]
     lines += [f"- Skipped `{name}`: {reason}" for name, reason in report["skipped"].items()]
     lines += [
@@ -260,6 +321,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {pm(s['skipped_steps'], '.0f')} |"
         )
     lines += ["", f"Peak memory is the {report['precisions'][0]['peak_memory_measure']}.", ""]
+    for s in report["precisions"]:
+        lines += seed_table(s) + [""]
     lines += ["Dtypes one batch produced (from each run's precision report):", ""]
     lines += [
         f"- `{s['precision']}`: " + ", ".join(f"{k} {v}" for k, v in s["dtypes"].items()) for s in report["precisions"]
@@ -294,13 +357,19 @@ def compare(
     if not precisions:
         raise InputError("none of the requested precisions can run here; add --precisions no")
 
-    summaries = []
-    for precision in precisions:
-        runs = {}
-        for seed in dict.fromkeys(args.seeds):
-            run_dir = output_dir / f"{precision}_seed{seed}"
-            runs[seed] = (run_dir, train_run(train_args, precision, seed, run_dir))
-        summaries.append(summarize(precision, runs))
+    seeds = list(dict.fromkeys(args.seeds))
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    folders = {(p, seed): output_dir / f"{p}_seed{seed}" for p in precisions for seed in seeds}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # threads that each wait on one training process
+        futures = {
+            key: pool.submit(train_run, train_args, key[0], key[1], folder, threads) for key, folder in folders.items()
+        }
+        try:
+            finished = {key: future.result() for key, future in futures.items()}
+        except (InputError, RunFault):
+            pool.shutdown(cancel_futures=True)  # the runs not started yet; those training finish first
+            raise
+    summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in seeds}) for p in precisions]
     add_ratios(summaries)
 
     report = {
@@ -309,7 +378,9 @@ def compare(
         "versions": summaries[0]["versions"],
         "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
         f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
-        "seeds": list(dict.fromkeys(args.seeds)),
+        "seeds": seeds,
+        "jobs": args.jobs,
+        "threads_per_run": threads or torch.get_num_threads(),
         "skipped": skipped,
         "precisions": summaries,
     }

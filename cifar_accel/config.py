@@ -262,6 +262,14 @@ class TrainConfig:
         "(also 1-pixel shifts); results.json gives the accuracy without it too.",
         resume="may_change",
     )
+    tta_below_confidence: float = _field(
+        1.0,
+        "Apply --tta only to the test images whose plain prediction has a probability below this "
+        "(hiverge/cifar10-speedrun's selective TTA); 1 augments every image.",
+        resume="may_change",
+        gt=0,
+        le=1,
+    )
 
     # Hardware and precision
     mixed_precision: Precision | None = _field(

@@ -58,14 +58,24 @@ def progress_bar(batches: Iterable, accelerator: Accelerator, description: str) 
     return progress(batches, desc=description, show=accelerator.is_local_main_process)
 
 
-def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
+def tta_logits(
+    model: nn.Module, images: torch.Tensor, tta: str = "none", below_confidence: float = 1.0
+) -> torch.Tensor:
     """The model's logits for ``images``, averaged over test-time augmentation views (as airbench94 does).
 
     ``flip``: the mean over the image and its mirror image. ``flip_translate``: half that, plus a quarter each
-    of the same for the image shifted one pixel up-left and one pixel down-right (reflect padding).
+    of the same for the image shifted one pixel up-left and one pixel down-right (reflect padding). With
+    ``below_confidence`` under 1, only the images whose plain prediction has a lower probability get the views;
+    the others keep their plain logits.
     """
     if tta == "none":
         return model(images)
+    if below_confidence < 1:
+        logits = model(images)
+        unsure = logits.float().softmax(1).amax(1) < below_confidence
+        if unsure.any():
+            logits[unsure] = tta_logits(model, images[unsure], tta).to(logits.dtype)
+        return logits
 
     def with_mirror(views: torch.Tensor) -> torch.Tensor:
         return 0.5 * (model(views) + model(views.flip(3)))
@@ -81,15 +91,21 @@ def tta_logits(model: nn.Module, images: torch.Tensor, tta: str = "none") -> tor
 
 @torch.no_grad()
 def predict(
-    accelerator: Accelerator, model: nn.Module, loader: DataLoader, transform: Transform, tta: str = "none"
+    accelerator: Accelerator,
+    model: nn.Module,
+    loader: DataLoader,
+    transform: Transform,
+    tta: str = "none",
+    below_confidence: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predicted classes, true labels, per-sample losses and the probability of each predicted class, gathered
-    from all processes in the loader's order, each sample once."""
+    from all processes in the loader's order, each sample once (``tta`` and ``below_confidence``: see
+    ``tta_logits``)."""
     model.eval()
     gathered = []
     for images, labels in loader:
         with accelerator.autocast():
-            logits = tta_logits(model, transform(images), tta)
+            logits = tta_logits(model, transform(images), tta, below_confidence)
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         predictions = logits.argmax(1)
         confidences = logits.float().softmax(1).gather(1, predictions.unsqueeze(1)).squeeze(1)
@@ -105,10 +121,11 @@ def evaluate_model(
     transform: Transform,
     metric: evaluate.EvaluationModule,
     tta: str = "none",
+    below_confidence: float = 1.0,
 ) -> dict[str, Any]:
     """Loss and accuracy over ``loader``, each sample counted exactly once across processes, with the predictions,
     labels and confidences they come from."""
-    predictions, references, losses, confidences = predict(accelerator, model, loader, transform, tta)
+    predictions, references, losses, confidences = predict(accelerator, model, loader, transform, tta, below_confidence)
     accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
     return {
         "loss": losses.mean().item(),

@@ -47,6 +47,17 @@ def non_empty(value: str) -> str:
     return value
 
 
+def positive_int(value: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{value}'") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
+
+
 MAX_ERROR_CHARACTERS = 2000
 
 

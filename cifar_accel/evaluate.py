@@ -54,6 +54,13 @@ def build_parser() -> ArgumentParser:
         default="none",
         help="Test-time augmentation: none (default), flip, or flip_translate.",
     )
+    parser.add_argument(
+        "--tta_below_confidence",
+        type=float,
+        default=1.0,
+        help="Apply --tta only to the images whose plain prediction has a probability below this (default: 1, "
+        "every image).",
+    )
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument(
         "--output_dir", type=non_empty, help="Where metrics.json and the PNG go; default: <model folder>/eval_<split>."
@@ -94,7 +101,7 @@ def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], ti
 
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
-    for flag in ("per_device_eval_batch_size", "max_eval_samples"):  # the training config's fields and bounds
+    for flag in ("per_device_eval_batch_size", "max_eval_samples", "tta_below_confidence"):  # training's bounds
         if getattr(args, flag) is not None:
             check_field(flag, getattr(args, flag), f"--{flag}")
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
@@ -120,7 +127,9 @@ def main(argv: Sequence[str]) -> None:
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
-    predictions, references, _, _ = predict(accelerator, model, loader, trained.preprocess, args.tta)
+    predictions, references, _, _ = predict(
+        accelerator, model, loader, trained.preprocess, args.tta, args.tta_below_confidence
+    )
     report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights),
@@ -128,6 +137,7 @@ def main(argv: Sequence[str]) -> None:
         split=args.split,
         mixed_precision=effective_precision(accelerator),
         tta=args.tta,
+        tta_below_confidence=args.tta_below_confidence,
         num_processes=accelerator.num_processes,
     )
     if accelerator.is_main_process:

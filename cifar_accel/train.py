@@ -315,7 +315,13 @@ def finish_run(run: Run) -> RunResults:
     if run.config.tta != "none":  # the accuracy without it is reported too
         plain = test_stats
         test_stats = evaluate_model(
-            accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric, run.config.tta
+            accelerator,
+            run.eval_model,
+            run.test_loader,
+            run.eval_transform,
+            run.metric,
+            run.config.tta,
+            run.config.tta_below_confidence,
         )
         test_stats["accuracy_no_tta"] = plain["accuracy"]
     test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}

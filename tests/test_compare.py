@@ -19,7 +19,7 @@ SEEDS = [42, 7]
 def compare_args(dataset: Path, out: Path, *extra: str) -> list[str]:
     return tiny_args(
         dataset, out, "--num_train_epochs", "2", "--max_train_samples", "150", "--precisions", "no", "fp16", "bf16",
-        "--seeds", *map(str, SEEDS), "--logging_steps", "2", *extra,
+        "--seeds", *map(str, SEEDS), "--logging_steps", "2", "--jobs", "2", *extra,
     )  # fmt: skip
 
 
@@ -62,6 +62,36 @@ def test_the_report_holds_the_runs_own_numbers(compared):
         no["seconds_per_epoch"]["mean"] / bf16["seconds_per_epoch"]["mean"]
     )
     assert report["versions"]["torch"] and report["hardware"]["cpu_cores"] == os.cpu_count()
+    assert report["jobs"] == 2 and report["threads_per_run"] == max(1, os.cpu_count() // 2)
+    assert isinstance(report["hardware"]["cpu_flags"], list)
+
+
+def test_each_seed_has_a_row_and_the_seeds_their_statistics(compared):
+    """Per precision: each seed's accuracy with and without TTA and its training time, as its results.json
+    says, then their mean, std, min and max; each run trained on its own threads, its output in its log."""
+    out, _ = compared
+    report = json.loads((out / "report.json").read_text())
+    markdown = (out / "report.md").read_text()
+    for summary in report["precisions"]:
+        precision = summary["precision"]
+        runs = {seed: read_results(out / f"{precision}_seed{seed}") for seed in SEEDS}
+        seconds = {seed: sum(e["epoch_seconds"] for e in r["history"]) for seed, r in runs.items()}
+        assert [row["seed"] for row in summary["per_seed"]] == sorted(SEEDS)
+        for row in summary["per_seed"]:
+            assert row["test_accuracy_no_tta"] == runs[row["seed"]]["test_accuracy_no_tta"]
+            assert row["train_seconds"] == pytest.approx(seconds[row["seed"]])
+        no_tta = [r["test_accuracy_no_tta"] for r in runs.values()]
+        assert summary["test_accuracy_no_tta"] == pytest.approx(
+            {"mean": statistics.fmean(no_tta), "std": statistics.pstdev(no_tta), "min": min(no_tta), "max": max(no_tta)}
+        )
+        table = markdown[markdown.index(f"`{precision}`, each seed") :].split("\n\n")[1].splitlines()
+        assert table[2] == (f"| 7 | {100 * runs[7]['test_accuracy']:.2f} | {100 * runs[7]['test_accuracy_no_tta']:.2f} "
+                            f"| {seconds[7]:.0f} |")  # fmt: skip
+        assert [line.split(" | ")[0] for line in table[4:]] == ["| mean", "| std", "| min", "| max"]
+        assert table[7] == (f"| max | {100 * max(r['test_accuracy'] for r in runs.values()):.2f} | "
+                            f"{100 * max(no_tta):.2f} | {max(seconds.values()):.0f} |")  # fmt: skip
+        log = (out / f"{precision}_seed42.log").read_text()
+        assert "test accuracy" in log.lower()
     assert "Skipped `fp16`" in markdown and "![curves.png](curves.png)" in markdown
 
 

@@ -43,6 +43,25 @@ def test_tta_is_the_mean_of_the_views_computed_by_hand():
                 tta_logits(model, images, unknown)
 
 
+def test_selective_tta_augments_only_the_images_whose_plain_prediction_is_unsure():
+    """hiverge's selective TTA: images with a plain top probability at or above the threshold keep their plain
+    logits exactly, the others get the full TTA logits exactly; a threshold of 1 is TTA for every image."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).double().eval()
+    images = torch.randn(64, 3, 8, 8, dtype=torch.float64) * torch.logspace(-2, 1, 64, dtype=torch.float64).view(
+        64, 1, 1, 1
+    )  # from near-uniform predictions to confident ones
+    with torch.no_grad():
+        plain, full = model(images), tta_logits(model, images, "flip_translate")
+        threshold = plain.softmax(1).amax(1).median().item()
+        unsure = plain.softmax(1).amax(1) < threshold
+        selective = tta_logits(model, images, "flip_translate", below_confidence=threshold)
+        assert 0 < unsure.sum() < len(images)
+        assert torch.equal(selective[~unsure], plain[~unsure])
+        torch.testing.assert_close(selective[unsure], full[unsure], rtol=0, atol=1e-12)
+        assert torch.equal(tta_logits(model, images, "flip_translate", below_confidence=1.0), full)
+
+
 def test_results_and_evaluate_say_which_tta_was_used(tiny_dataset, train_here, tmp_path, capsys):
     out = tmp_path / "run"
     proc = train_here(tiny_args(tiny_dataset, out, "--tta", "flip_translate"))

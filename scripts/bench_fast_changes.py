@@ -1,0 +1,152 @@
+"""Seconds per training step of the fast preset (fast_net, batch 2000) under each change the record recipes made,
+measured in one process in alternating turns, so that a shared host's drift affects every variant alike:
+
+    python scripts/bench_fast_changes.py --precision bf16 --steps 6 --turns 3
+
+- ``preset``: the fast preset as shipped;
+- ``ns5_fp32``: Muon's Newton-Schulz as 5 float32 steps (the preset takes airbench94_muon's 3 in bfloat16);
+- ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
+- ``silu``: fast_net with SiLU in place of GELU (hiverge/cifar10-speedrun);
+
+and the optimizer step alone (on the gradients of one real step), as the preset takes it and as the record's
+later changes would: every filter bank's Newton-Schulz batched in one padded 3-D tensor, and the renormalisation
+of the filters every 4th step instead of every step.
+
+The data are random tensors of the preset's shapes: the pipeline's own cost is `scripts/bench_throughput.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import set_seed
+from torch import nn
+
+from cifar_accel.config import TrainConfig, config_path, read_config_file
+from cifar_accel.engine import training_step
+from cifar_accel.models import build_model
+from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
+from cifar_accel.telemetry import hardware
+
+VARIANTS = {  # name: (config overrides, GELU replaced by SiLU)
+    "preset": ({}, False),
+    "ns5_fp32": ({"muon_ns_steps": 5, "muon_ns_dtype": "float32"}, False),
+    "compile": ({"torch_compile": True}, False),
+    "silu": ({}, True),
+}
+
+
+def fast_config(**overrides) -> TrainConfig:
+    return TrainConfig(**{**read_config_file(config_path("fast")), **overrides})
+
+
+def build(config: TrainConfig, silu: bool, accelerator: Accelerator, batch: tuple[torch.Tensor, torch.Tensor]):
+    """The preset's model, optimizer and loss, prepared by an Accelerator, as training builds them."""
+    set_seed(0)
+    model = build_model("fast_net", num_classes=10)
+    if silu:
+        for parent in model.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, nn.GELU):
+                    setattr(parent, name, nn.SiLU())
+    model.init_from_data(batch[0][:500])
+    model = model.to(memory_format=torch.channels_last)
+    if config.torch_compile:
+        model.compile()
+    optimizer = build_optimizer(config, model, config.learning_rate)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer, build_loss(config)
+
+
+def batched_newton_schulz(matrices: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """hiverge's batched iteration: every (rows x columns) matrix, transposed to be wide, zero-padded into one
+    (banks, rows, columns) tensor and iterated at once (zero padding leaves each matrix's iteration as it is)."""
+    wide = [m if m.size(0) <= m.size(1) else m.T for m in matrices]
+    rows, cols = max(m.size(0) for m in wide), max(m.size(1) for m in wide)
+    x = torch.zeros(len(wide), rows, cols, dtype=dtype)
+    for i, m in enumerate(wide):
+        x[i, : m.size(0), : m.size(1)] = m / (m.norm() + 1e-7)
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for _ in range(steps):
+        gram = x @ x.transpose(1, 2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    out = [x[i, : m.size(0), : m.size(1)] for i, m in enumerate(wide)]
+    return [o if m.size(0) <= m.size(1) else o.T for o, m in zip(out, matrices, strict=True)]
+
+
+def optimizer_seconds(optimizer: MuonSGD, repeats: int) -> dict[str, float]:
+    """The Muon group's update as the preset computes it, batched, and with the renormalisation every 4th step."""
+    group = optimizer.param_groups[-1]
+    filters = [p for p in group["params"] if p.grad is not None]
+    grads = [p.grad.reshape(len(p), -1) for p in filters]
+    dtype = getattr(torch, group["ns_dtype"])
+
+    def per_bank(renormalise: bool) -> None:
+        for p, g in zip(filters, grads, strict=True):
+            if renormalise:
+                p.mul_(len(p) ** 0.5 / p.norm())
+            newton_schulz(g, group["ns_steps"], dtype)
+
+    def timed(work) -> float:
+        start = time.perf_counter()
+        for i in range(repeats):
+            work(i)
+        return (time.perf_counter() - start) / repeats
+
+    with torch.no_grad():
+        return {
+            "per bank, renormalised every step (preset)": timed(lambda i: per_bank(True)),
+            "per bank, renormalised every 4th step": timed(lambda i: per_bank(i % 4 == 0)),
+            "batched in one padded tensor": timed(lambda i: batched_newton_schulz(grads, group["ns_steps"], dtype)),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
+    parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant and turn.")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = parser.parse_args()
+    hw = hardware()
+    print(f"{hw['cpu']}, flags {' '.join(hw.get('cpu_flags', []))}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.precision}, batch 2000")  # fmt: skip
+    torch.manual_seed(0)
+    batch = torch.randn(2000, 3, 32, 32).contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (2000,))
+    accelerator = Accelerator(mixed_precision=args.precision, cpu=True)
+    built = {}
+    for name in args.variants:
+        overrides, silu = VARIANTS[name]
+        built[name] = build(fast_config(**overrides), silu, accelerator, batch)
+        start = time.perf_counter()
+        for _ in range(args.warmup):
+            training_step(*built[name], *batch)
+        print(f"  {name}: warm-up {time.perf_counter() - start:.1f} s for {args.warmup} steps", flush=True)
+    seconds = dict.fromkeys(built, 0.0)
+    for _ in range(args.turns):
+        for name, parts in built.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                training_step(*parts, *batch)
+            seconds[name] += time.perf_counter() - start
+    base = seconds[args.variants[0]]
+    print(f"\n{'variant':<12}{'s/step':>8}{'vs ' + args.variants[0]:>12}")
+    for name, total in seconds.items():
+        print(f"{name:<12}{total / (args.steps * args.turns):>8.2f}{base / total:>11.2f}x")
+    _, model, optimizer, loss_fn = built[args.variants[0]]
+    with accelerator.autocast():
+        loss = loss_fn(model(batch[0]), batch[1])
+    accelerator.backward(loss)  # the gradients of one real step
+    print("\nMuon's filter update alone (s):")
+    for name, value in optimizer_seconds(optimizer.optimizer, repeats=8).items():
+        print(f"  {name:<45}{value:.4f}")
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+if __name__ == "__main__":
+    main()
