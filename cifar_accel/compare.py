@@ -331,6 +331,28 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_table(reports: dict[str, dict[str, Any]]) -> str:
+    """The README's results table: one row per precision of each named ``report.json``, its seeds' test accuracy
+    (mean ± std, min and max, with TTA and without), training time per run and the machine it ran on."""
+    lines = [
+        "| run | precision | epochs | seeds | test accuracy with TTA: mean ± std (min, max) | without TTA: mean (min) "
+        "| training per run | machine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, report in sorted(reports.items()):
+        hw = report["hardware"]
+        machine = f"{hw['cpu']} ({' '.join(hw.get('cpu_flags', []))}), {report['threads_per_run']} thread(s) per run"
+        for s in report["precisions"]:
+            tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
+            lines.append(
+                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {s['epochs']} | {len(s['seeds'])} "
+                f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
+                f"| {100 * plain['mean']:.2f}% ({100 * plain['min']:.2f}) | {seconds['mean'] / 60:.0f} min, "
+                f"{report['jobs']} at a time | {machine} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str]) -> None:
     args, train_args = build_parser().parse_known_args(argv)
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)

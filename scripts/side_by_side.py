@@ -6,9 +6,10 @@ each seed's accuracy with and without test-time augmentation, wall and CPU time,
         --dataset_name ../shared/data/cifar10-jpeg --precision bf16 --seeds 0 1 2 --output_dir outputs/side_by_side
 
 Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --num_train_epochs 10``). Each
-seed's pair writes ``seed<N>/`` (both logs, the preset's run folder, ``pair.json``); a seed whose ``pair.json``
-exists is not run again, so a stopped comparison goes on where it was. The table is ``side_by_side.md`` and
-``side_by_side.json``.
+seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
+where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
+folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
+stopped comparison goes on where it was. The table is ``side_by_side.md`` and ``side_by_side.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -55,7 +56,7 @@ def finish(proc: subprocess.Popen, started: float, name: str, log: Path) -> dict
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
-def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder: Path) -> dict:
+def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder: Path, run_dir: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     anchor_command = [
         sys.executable,
@@ -69,7 +70,7 @@ def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder:
     preset_command = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
         "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name", args.dataset_name,
-        "--mixed_precision", args.precision, "--seed", str(seed), "--output_dir", str(folder / "preset"), *train_args,
+        "--mixed_precision", args.precision, "--seed", str(seed), "--output_dir", str(run_dir), *train_args,
     ]  # fmt: skip
     runs = {
         "anchor": start(anchor_command, folder / "anchor.log"),
@@ -79,7 +80,7 @@ def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder:
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
     if found is None:
         sys.exit(f"error: no result line in {folder / 'anchor.log'}")
-    results = read_results(folder / "preset" / "results.json")
+    results = read_results(run_dir / "results.json")
     own_preset = sum(record.epoch_seconds for record in results.history)
     pair = {
         "seed": seed,
@@ -143,8 +144,9 @@ def main() -> None:
     pairs = []
     for seed in args.seeds:
         folder = output_dir / f"seed{seed}"
-        done = folder / "pair.json"
-        pairs.append(json.loads(done.read_text()) if done.exists() else run_pair(args, train_args, seed, folder))
+        done, run_dir = folder / "pair.json", output_dir / f"{args.precision}_seed{seed}"
+        pair = json.loads(done.read_text()) if done.exists() else run_pair(args, train_args, seed, folder, run_dir)
+        pairs.append(pair)
         print(table(pairs[-1:], env), flush=True)
     (output_dir / "side_by_side.json").write_text(json.dumps({"environment": env, "pairs": pairs}, indent=2))
     (output_dir / "side_by_side.md").write_text(table(pairs, env))

@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+import write_results_table
 
+from cifar_accel.compare import results_table
 from cifar_accel.config import flag_reference
 
 from conftest import REPO
@@ -43,3 +45,16 @@ def test_every_relative_link_resolves(page):
 
 def test_the_readme_is_a_short_guide():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_readme_results_table_is_written_from_the_kept_compare_reports():
+    """The README's results come from `cifar_accel.compare` reports kept in docs/results/, each row from its
+    report's own statistics."""
+    reports = write_results_table.reports()
+    assert "fast_bf16" in reports
+    readme = (REPO / "README.md").read_text()
+    block = readme.split(write_results_table.BEGIN)[1].split(write_results_table.END)[0]
+    assert block == results_table(reports), "run: python scripts/write_results_table.py"
+    fast = reports["fast_bf16"]["precisions"][0]
+    assert f"{100 * fast['test_accuracy']['mean']:.2f}% ± {100 * fast['test_accuracy']['std']:.2f}" in block
+    assert len(fast["per_seed"]) == 3 and [row["seed"] for row in fast["per_seed"]] == fast["seeds"]

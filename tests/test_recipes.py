@@ -92,8 +92,10 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
 
 
 def fast_args(dataset, out, *extra):
-    """The fast preset, scaled down to the tiny dataset, with MixUp, CutMix and an average of the weights on top."""
-    return tiny_args(dataset, out, "--config", "fast", "--num_train_epochs", "3", "--per_device_train_batch_size",
+    """The fast preset, scaled down to the tiny dataset, with MixUp, CutMix and an average of the weights on top;
+    its whitening bias trains for the first 2 of the 3 epochs."""
+    return tiny_args(dataset, out, "--config", "fast", "--num_train_epochs", "3", "--whiten_bias_epochs", "2",
+                     "--per_device_train_batch_size",
                      "32", "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--ema_decay", "0.95",
                      "--checkpointing_steps", "4",
                      "--checkpoints_total_limit", "100", "--logging_steps", "5", "--max_eval_samples", "40",
@@ -140,8 +142,9 @@ def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
         0.0,
         "alternate",
         "reflect",
-        10,
+        8,
     )
+    assert (fast.muon_ns_steps, fast.muon_ns_dtype, fast.whiten_bias_epochs) == (3, "bfloat16", 3)
     assert fast.seed == 7
     assert load_config(["--config", "resnet18"])[0].model_name == "resnet18"
     copy = tmp_path / "mine.yaml"
