@@ -60,11 +60,13 @@ def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_biases
     model = build_model("fast_net", num_classes=10)
     config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3)
     optimizer = build_optimizer(config, model, learning_rate=0.5)
-    others, biases = optimizer.param_groups  # the plain group first: its rate is the one logged
-    assert (biases["lr"], others["lr"]) == (0.5 * BIAS_LR_SCALE, 0.5)
-    assert biases["lr"] * biases["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
+    others, biases, whitening = optimizer.param_groups  # the plain group first: its rate is the one logged
+    for group in (biases, whitening):
+        assert (group["lr"], others["lr"]) == (0.5 * BIAS_LR_SCALE, 0.5)
+        assert group["lr"] * group["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    assert {id(p) for p in biases["params"]} == {id(model.whiten.bias)} | {id(m.bias) for m in norms}
+    assert {id(p) for p in biases["params"]} == {id(m.bias) for m in norms}
+    assert whitening["params"] == [model.whiten.bias] and whitening["whitening_bias"]
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == trained  # nothing frozen, nothing missed
     assert others["nesterov"] and others["momentum"] == 0.85
