@@ -68,25 +68,31 @@ def tta_logits(
     ``below_confidence`` under 1, only the images whose plain prediction has a lower probability get the views;
     the others keep their plain logits.
     """
+    if tta not in ("none", "flip", "flip_translate"):
+        raise ValueError(f"unknown test-time augmentation {tta!r}; use none, flip or flip_translate")
+    plain = model(images)
     if tta == "none":
-        return model(images)
-    if below_confidence < 1:
-        logits = model(images)
-        unsure = logits.float().softmax(1).amax(1) < below_confidence
-        if unsure.any():
-            logits[unsure] = tta_logits(model, images[unsure], tta).to(logits.dtype)
-        return logits
+        return plain
+    if below_confidence >= 1:
+        return augmented_logits(model, images, plain, tta)
+    unsure = plain.float().softmax(1).amax(1) < below_confidence
+    if unsure.any():
+        plain[unsure] = augmented_logits(model, images[unsure], plain[unsure], tta).to(plain.dtype)
+    return plain
+
+
+def augmented_logits(model: nn.Module, images: torch.Tensor, plain: torch.Tensor, tta: str) -> torch.Tensor:
+    """``tta_logits`` for every image, given their plain logits ``plain`` (the first view)."""
+    mirrored = 0.5 * (plain + model(images.flip(3)))
+    if tta == "flip":
+        return mirrored
 
     def with_mirror(views: torch.Tensor) -> torch.Tensor:
         return 0.5 * (model(views) + model(views.flip(3)))
 
-    if tta == "flip":
-        return with_mirror(images)
-    if tta != "flip_translate":
-        raise ValueError(f"unknown test-time augmentation {tta!r}; use none, flip or flip_translate")
     padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
     shifted = (padded[:, :, :-2, :-2], padded[:, :, 2:, 2:])
-    return 0.5 * with_mirror(images) + 0.25 * (with_mirror(shifted[0]) + with_mirror(shifted[1]))
+    return 0.5 * mirrored + 0.25 * (with_mirror(shifted[0]) + with_mirror(shifted[1]))
 
 
 @torch.no_grad()

@@ -34,15 +34,19 @@ def unsupported(precision: str) -> str | None:
 
 
 @functools.cache  # the CPU does not change during a run: /proc/cpuinfo is read once
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (none where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return set(cpuinfo.read().split())
+    except OSError:
+        return set()
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), as /proc/cpuinfo says; elsewhere torch emulates
     bf16 on a CPU, several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = set(cpuinfo.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def hardware_advice(effective: str, device: torch.device, has_native_bf16: bool) -> dict[str, str] | None:

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from cifar_accel.precision import native_bf16
+from cifar_accel.precision import cpu_flags, native_bf16
 from cifar_accel.run import Run
 from cifar_accel.state import RESULTS_SCHEMA_VERSION, EpochRecord, RunResults, TrainerState
 
@@ -34,7 +34,7 @@ def hardware() -> dict[str, Any]:
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
         info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+        flags = cpu_flags()
         info["cpu_flags"] = [flag for flag in SPEED_FLAGS if flag in flags]
         info["cpu_native_bf16"] = native_bf16()
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
