@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import evaluate
 import torch
@@ -68,17 +68,29 @@ def tta_logits(
     ``below_confidence`` under 1, only the images whose plain prediction has a lower probability get the views;
     the others keep their plain logits.
     """
+    check_tta(tta)
+    return with_tta(model, images, model(images), tta, below_confidence)
+
+
+def check_tta(tta: str) -> None:
     if tta not in ("none", "flip", "flip_translate"):
         raise ValueError(f"unknown test-time augmentation {tta!r}; use none, flip or flip_translate")
-    plain = model(images)
+
+
+def with_tta(
+    model: nn.Module, images: torch.Tensor, plain: torch.Tensor, tta: str, below_confidence: float = 1.0
+) -> torch.Tensor:
+    """``tta_logits`` of ``images`` given their plain logits ``plain``, which are the first view and are left as
+    they are."""
     if tta == "none":
         return plain
     if below_confidence >= 1:
         return augmented_logits(model, images, plain, tta)
+    logits = plain.clone()
     unsure = plain.float().softmax(1).amax(1) < below_confidence
     if unsure.any():
-        plain[unsure] = augmented_logits(model, images[unsure], plain[unsure], tta).to(plain.dtype)
-    return plain
+        logits[unsure] = augmented_logits(model, images[unsure], plain[unsure], tta).to(plain.dtype)
+    return logits
 
 
 def augmented_logits(model: nn.Module, images: torch.Tensor, plain: torch.Tensor, tta: str) -> torch.Tensor:
@@ -95,6 +107,17 @@ def augmented_logits(model: nn.Module, images: torch.Tensor, plain: torch.Tensor
     return 0.5 * mirrored + 0.25 * (with_mirror(shifted[0]) + with_mirror(shifted[1]))
 
 
+class Predictions(NamedTuple):
+    """Per sample, in the loader's order: the predicted class (with test-time augmentation where asked), the
+    class predicted without it, the true label, the loss and the probability of the predicted class."""
+
+    classes: torch.Tensor
+    plain_classes: torch.Tensor
+    labels: torch.Tensor
+    losses: torch.Tensor
+    confidences: torch.Tensor
+
+
 @torch.no_grad()
 def predict(
     accelerator: Accelerator,
@@ -103,21 +126,23 @@ def predict(
     transform: Transform,
     tta: str = "none",
     below_confidence: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Predicted classes, true labels, per-sample losses and the probability of each predicted class, gathered
-    from all processes in the loader's order, each sample once (``tta`` and ``below_confidence``: see
-    ``tta_logits``)."""
+) -> Predictions:
+    """Predictions of every sample, gathered from all processes in the loader's order, each sample once (``tta``
+    and ``below_confidence``: see ``tta_logits``). One forward pass gives both the plain predictions and the
+    first view of the augmented ones."""
+    check_tta(tta)
     model.eval()
     gathered = []
     for images, labels in loader:
         with accelerator.autocast():
-            logits = tta_logits(model, transform(images), tta, below_confidence)
+            inputs = transform(images)
+            plain = model(inputs)
+            logits = with_tta(model, inputs, plain, tta, below_confidence)
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        predictions = logits.argmax(1)
-        confidences = logits.float().softmax(1).gather(1, predictions.unsqueeze(1)).squeeze(1)
-        gathered.append(accelerator.gather_for_metrics((predictions, labels, losses, confidences)))
-    predictions, references, losses, confidences = (torch.cat(parts) for parts in zip(*gathered, strict=True))
-    return predictions, references, losses, confidences
+        classes = logits.argmax(1)
+        confidences = logits.float().softmax(1).gather(1, classes.unsqueeze(1)).squeeze(1)
+        gathered.append(accelerator.gather_for_metrics((classes, plain.argmax(1), labels, losses, confidences)))
+    return Predictions(*(torch.cat(parts) for parts in zip(*gathered, strict=True)))
 
 
 def evaluate_model(
@@ -129,15 +154,15 @@ def evaluate_model(
     tta: str = "none",
     below_confidence: float = 1.0,
 ) -> dict[str, Any]:
-    """Loss and accuracy over ``loader``, each sample counted exactly once across processes, with the predictions,
-    labels and confidences they come from."""
-    predictions, references, losses, confidences = predict(accelerator, model, loader, transform, tta, below_confidence)
-    accuracy = metric.compute(predictions=predictions, references=references)["accuracy"]
+    """Loss and accuracy over ``loader`` (with ``tta``, and without it as ``accuracy_no_tta``), each sample counted
+    exactly once across processes, with the predictions, labels and confidences they come from."""
+    found = predict(accelerator, model, loader, transform, tta, below_confidence)
     return {
-        "loss": losses.mean().item(),
-        "accuracy": accuracy,
-        "samples": len(references),
-        "predictions": predictions,
-        "references": references,
-        "confidences": confidences,
+        "loss": found.losses.mean().item(),
+        "accuracy": metric.compute(predictions=found.classes, references=found.labels)["accuracy"],
+        "accuracy_no_tta": metric.compute(predictions=found.plain_classes, references=found.labels)["accuracy"],
+        "samples": len(found.labels),
+        "predictions": found.classes,
+        "references": found.labels,
+        "confidences": found.confidences,
     }

@@ -127,10 +127,8 @@ def main(argv: Sequence[str]) -> None:
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
-    predictions, references, _, _ = predict(
-        accelerator, model, loader, trained.preprocess, args.tta, args.tta_below_confidence
-    )
-    report = classification_report(predictions.cpu(), references.cpu(), trained.class_names)
+    found = predict(accelerator, model, loader, trained.preprocess, args.tta, args.tta_below_confidence)
+    report = classification_report(found.classes.cpu(), found.labels.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights),
         dataset=args.dataset_name or run.dataset_name,

@@ -97,7 +97,7 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         tested_epoch=state.best_epoch if val_samples else state.epoch,
         test_accuracy=test["accuracy"],
         tta=tta,
-        test_accuracy_no_tta=test.get("accuracy_no_tta", test["accuracy"]),
+        test_accuracy_no_tta=test["accuracy_no_tta"],
         test_loss=test["loss"],
         test_samples=test["samples"],
         epochs_completed=state.epoch,

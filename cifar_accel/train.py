@@ -311,19 +311,15 @@ def finish_run(run: Run) -> RunResults:
     if state.best_checkpoint is not None:  # the model's weights, or their average, as validated
         best = validated_weights(checkpoint_dir(output_dir) / state.best_checkpoint)
         (run.ema.module if run.ema else accelerator.unwrap_model(run.model)).load_state_dict(best)
-    test_stats = evaluate_model(accelerator, run.eval_model, run.test_loader, run.eval_transform, run.metric)
-    if run.config.tta != "none":  # the accuracy without it is reported too
-        plain = test_stats
-        test_stats = evaluate_model(
-            accelerator,
-            run.eval_model,
-            run.test_loader,
-            run.eval_transform,
-            run.metric,
-            run.config.tta,
-            run.config.tta_below_confidence,
-        )
-        test_stats["accuracy_no_tta"] = plain["accuracy"]
+    test_stats = evaluate_model(
+        accelerator,
+        run.eval_model,
+        run.test_loader,
+        run.eval_transform,
+        run.metric,
+        run.config.tta,
+        run.config.tta_below_confidence,
+    )
     test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}
     accelerator.log(test_scalars, step=state.global_step)
     results = run_results(run, test_stats)

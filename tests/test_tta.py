@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
+from accelerate import Accelerator
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from cifar_accel import evaluate
-from cifar_accel.engine import tta_logits
+from cifar_accel.engine import predict, tta_logits
 from cifar_accel.errors import run_cli
 
 from conftest import read_results, tiny_args
@@ -60,6 +62,27 @@ def test_selective_tta_augments_only_the_images_whose_plain_prediction_is_unsure
         assert torch.equal(selective[~unsure], plain[~unsure])
         torch.testing.assert_close(selective[unsure], full[unsure], rtol=0, atol=1e-12)
         assert torch.equal(tta_logits(model, images, "flip_translate", below_confidence=1.0), full)
+
+
+def test_one_pass_predicts_with_and_without_tta():
+    """predict's plain classes are the model's own on each image, its classes those of the (selective) TTA
+    logits: the plain logits are reused as the first view, not changed by the views."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).double().eval()
+    images = torch.randn(40, 3, 8, 8, dtype=torch.float64) * torch.logspace(-2, 1, 40, dtype=torch.float64).view(
+        40, 1, 1, 1
+    )
+    loader = DataLoader(TensorDataset(images, torch.randint(0, 5, (40,))), batch_size=16)
+    with torch.no_grad():
+        plain = model(images).argmax(1)
+        full = tta_logits(model, images, "flip_translate").argmax(1)
+        selective = tta_logits(model, images, "flip_translate", below_confidence=0.5).argmax(1)
+    assert not torch.equal(plain, full)  # the views change some predictions, so the check below can fail
+    accelerator = Accelerator(cpu=True)
+    for below_confidence, expected in ((1.0, full), (0.5, selective)):
+        found = predict(accelerator, model, loader, lambda batch: batch, "flip_translate", below_confidence)
+        assert torch.equal(found.plain_classes, plain)
+        assert torch.equal(found.classes, expected)
 
 
 def test_results_and_evaluate_say_which_tta_was_used(tiny_dataset, train_here, tmp_path, capsys):
