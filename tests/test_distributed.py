@@ -107,11 +107,12 @@ def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tm
 def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resumes_exactly(
     tiny_dataset, cli_env, tmp_path
 ):
-    """The fast preset (Muon and SGD in one optimizer, a per-step schedule, alternating flips and translations) on
-    all 327 training images with 2 ranks of 32: 5 optimizer steps an epoch, each stepping the schedule once."""
+    """The fast preset (Muon and SGD in one optimizer, a per-step schedule, alternating flips and translations,
+    steps of 4 accumulated batches) on all 327 training images with 2 ranks of 8: 20 batches and 5 optimizer steps
+    an epoch, each step stepping the schedule once."""
 
     def fast_args(out: Path) -> list[str]:
-        return ["--cpu", *run_args(tiny_dataset, out, "--config", "fast", "--per_device_train_batch_size", "32",
+        return ["--cpu", *run_args(tiny_dataset, out, "--config", "fast", "--per_device_train_batch_size", "8",
                                    "--max_eval_samples", "40", "--logging_steps", "1",
                                    "--whiten_bias_epochs", "1")]  # fmt: skip
 
@@ -131,7 +132,7 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
     proc = run_cli([*fast_args(resumed), "--resume_from_checkpoint", "latest"], two_rank_env(cli_env),
                    launcher=TORCHRUN)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "1 epochs and 1 batches done" in proc.stdout
+    assert "1 epochs and 4 batches done" in proc.stdout
     assert_same_run(straight, resumed)
 
 
