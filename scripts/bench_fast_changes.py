@@ -1,10 +1,13 @@
-"""Seconds per training step of the fast preset (fast_net, batch 2000) under each change the record recipes made,
-measured in one process in alternating turns, so that a shared host's drift affects every variant alike:
+"""Seconds per optimizer step of the fast preset (fast_net, 2000 images a step) under each change the record recipes
+made and the CPU's own levers, measured in one process in alternating turns, so that a shared host's drift affects
+every variant alike:
 
-    python scripts/bench_fast_changes.py --precision bf16 --steps 6 --turns 3
+    python scripts/bench_fast_changes.py --precision no --steps 3 --turns 3
 
-- ``preset``: the fast preset as shipped;
-- ``ns5_fp32``: Muon's Newton-Schulz as 5 float32 steps (the preset takes airbench94_muon's 3 in bfloat16);
+- ``preset``: the fast preset as shipped (4 accumulated batches of 500, 3 float32 Newton-Schulz iterations);
+- ``batch2000``: each step one batch of 2000, as airbench94_muon computes it;
+- ``ns_bf16``: Muon's Newton-Schulz iterations in bfloat16, as airbench94_muon computes them (fast only where the
+  CPU computes bfloat16 natively);
 - ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
 - ``silu``: fast_net with SiLU in place of GELU (hiverge/cifar10-speedrun);
 
@@ -34,10 +37,12 @@ from cifar_accel.telemetry import hardware
 
 VARIANTS = {  # name: (config overrides, GELU replaced by SiLU)
     "preset": ({}, False),
-    "ns5_fp32": ({"muon_ns_steps": 5, "muon_ns_dtype": "float32"}, False),
+    "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, False),
+    "ns_bf16": ({"muon_ns_dtype": "bfloat16"}, False),
     "compile": ({"torch_compile": True}, False),
     "silu": ({}, True),
 }
+STEP_IMAGES = 2000
 
 
 def fast_config(**overrides) -> TrainConfig:
@@ -45,7 +50,7 @@ def fast_config(**overrides) -> TrainConfig:
 
 
 def build(config: TrainConfig, silu: bool, accelerator: Accelerator, batch: tuple[torch.Tensor, torch.Tensor]):
-    """The preset's model, optimizer and loss, prepared by an Accelerator, as training builds them."""
+    """The preset's model, optimizer and loss, prepared by an Accelerator, as training builds them, and ``config``."""
     set_seed(0)
     model = build_model("fast_net", num_classes=10)
     if silu:
@@ -59,7 +64,18 @@ def build(config: TrainConfig, silu: bool, accelerator: Accelerator, batch: tupl
         model.compile()
     optimizer = build_optimizer(config, model, config.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
-    return accelerator, model, optimizer, build_loss(config)
+    return accelerator, model, optimizer, build_loss(config), config
+
+
+def optimizer_step(accelerator, model, optimizer, loss_fn, config, inputs, targets) -> None:
+    """One optimizer step on ``inputs``, as training computes it under ``config``: batches of
+    --per_device_train_batch_size, accumulated over --gradient_accumulation_steps."""
+    accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps
+    accelerator.step = 0  # the accumulation count starts with the step
+    size = config.per_device_train_batch_size
+    for batch_inputs, batch_targets in zip(inputs.split(size), targets.split(size), strict=True):
+        with accelerator.accumulate(model):
+            training_step(accelerator, model, optimizer, loss_fn, batch_inputs, batch_targets)
 
 
 def batched_newton_schulz(matrices: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -115,9 +131,12 @@ def main() -> None:
     args = parser.parse_args()
     hw = hardware()
     print(f"{hw['cpu']}, flags {' '.join(hw.get('cpu_flags', []))}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.precision}, batch 2000")  # fmt: skip
+          f"{torch.get_num_threads()} threads; {args.precision}, {STEP_IMAGES} images a step")  # fmt: skip
     torch.manual_seed(0)
-    batch = torch.randn(2000, 3, 32, 32).contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (2000,))
+    batch = (
+        torch.randn(STEP_IMAGES, 3, 32, 32).contiguous(memory_format=torch.channels_last),
+        torch.randint(0, 10, (STEP_IMAGES,)),
+    )
     accelerator = Accelerator(mixed_precision=args.precision, cpu=True)
     built = {}
     for name in args.variants:
@@ -125,20 +144,20 @@ def main() -> None:
         built[name] = build(fast_config(**overrides), silu, accelerator, batch)
         start = time.perf_counter()
         for _ in range(args.warmup):
-            training_step(*built[name], *batch)
+            optimizer_step(*built[name], *batch)
         print(f"  {name}: warm-up {time.perf_counter() - start:.1f} s for {args.warmup} steps", flush=True)
     seconds = dict.fromkeys(built, 0.0)
     for _ in range(args.turns):
         for name, parts in built.items():
             start = time.perf_counter()
             for _ in range(args.steps):
-                training_step(*parts, *batch)
+                optimizer_step(*parts, *batch)
             seconds[name] += time.perf_counter() - start
     base = seconds[args.variants[0]]
     print(f"\n{'variant':<12}{'s/step':>8}{'vs ' + args.variants[0]:>12}")
     for name, total in seconds.items():
         print(f"{name:<12}{total / (args.steps * args.turns):>8.2f}{base / total:>11.2f}x")
-    _, model, optimizer, loss_fn = built[args.variants[0]]
+    _, model, optimizer, loss_fn, _ = built[args.variants[0]]
     with accelerator.autocast():
         loss = loss_fn(model(batch[0]), batch[1])
     accelerator.backward(loss)  # the gradients of one real step

@@ -99,15 +99,17 @@ def images_per_second(
     pipelines: dict[str, Iterable], config: TrainConfig, data: CifarData, precision: str, steps: int, warmup: int,
     turns: int, compile_model: bool,
 ) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
-    """Train the recipe's model through Accelerate, as `cifar_accel.train` does, on each pipeline's batches (ready
-    inputs and targets); images/s of each after its warm-up steps, and each one's warm-up seconds (the first
-    pipeline's include compiling).
+    """Train the recipe's model through Accelerate, as `cifar_accel.train` does (an optimizer step every
+    --gradient_accumulation_steps batches), on each pipeline's batches (ready inputs and targets); images/s of each
+    after its warm-up steps, and each one's warm-up seconds (the first pipeline's include compiling).
 
     The pipelines take turns of ``steps / turns`` steps on the same model, so that the machine's speed, which
     drifts from minute to minute on a shared host, is the same for all of them.
     """
     set_seed(0)
-    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    accelerator = Accelerator(
+        mixed_precision=precision, cpu=True, gradient_accumulation_steps=config.gradient_accumulation_steps
+    )
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if hasattr(model, "init_from_data"):
         model.init_from_data(BatchTransform(data.normalization)(data.train.images[:DATA_INIT_IMAGES]))
@@ -119,10 +121,11 @@ def images_per_second(
     loss_fn = build_loss(config)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    def train(batches: Iterator, count: int) -> tuple[float, int]:
+    def train(batches: Iterator, steps: int) -> tuple[float, int]:
         start, images = time.perf_counter(), 0
-        for inputs, targets in itertools.islice(batches, count):
-            training_step(accelerator, model, optimizer, loss_fn, inputs, targets)
+        for inputs, targets in itertools.islice(batches, steps * config.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                training_step(accelerator, model, optimizer, loss_fn, inputs, targets)
             images += len(inputs)
         return time.perf_counter() - start, images
 
@@ -166,7 +169,9 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", choices=["no", "bf16"],
                         help="Default: no, and bf16 on a CPU with native bf16.")  # fmt: skip
     parser.add_argument("--batch_size", type=int, help="Default: the recipe's.")
-    parser.add_argument("--steps", type=int, default=100, help="Timed steps per measurement (after --warmup).")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="Timed optimizer steps per measurement (after --warmup)."
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument(
         "--turns", type=int, default=5, help="Ours and the compute bound alternate, each --steps in this many turns."
@@ -182,16 +187,18 @@ def main() -> None:
     precisions = args.precisions or (["no", "bf16"] if native_bf16() else ["no"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16()}; model {config.model_name}, "
-          f"batch {config.per_device_train_batch_size}; {args.steps} timed steps")  # fmt: skip
+          f"batch {config.per_device_train_batch_size}, {config.gradient_accumulation_steps} per optimizer step; "
+          f"{args.steps} timed steps")  # fmt: skip
 
     print(f"\n{'precision':<10}{'compile':<9}{'chapter':>10}{'ours':>10}{'compute':>10}{'ours/chapter':>14}"
           f"{'ours/compute':>14}{'warm-up s':>11}   (images/s)")  # fmt: skip
     data = load_data(config)
     ours = our_batches(config, data)  # the dataset is loaded once, for every row
+    premade = (args.warmup + args.steps) * config.gradient_accumulation_steps  # batches
     for precision in precisions:
         for compile_model in [False, True] if args.torch_compile else [False]:
             rate, warmup = images_per_second(
-                {"ours": ours, "compute": premade_batches(ours, args.warmup + args.steps)}, config, data,
+                {"ours": ours, "compute": premade_batches(ours, premade)}, config, data,
                 precision, args.steps, args.warmup, args.turns, compile_model,
             )  # fmt: skip
             # Compiling changes the step, not the input: the chapter pipeline is measured eager only, and on its own,
