@@ -126,6 +126,21 @@ class TrainConfig:
     color_jitter: bool = _field(
         True, "Colour jitter (brightness, contrast, saturation 0.2, hue 0.1) on training batches.", resume="match"
     )
+    brightness_shift: float = _field(
+        0.0,
+        "Add a random amount in [-B, B] to each normalised training image (hiverge/cifar10-speedrun's brightness); "
+        "0 turns it off.",
+        resume="match",
+        ge=0,
+    )
+    contrast_scale: float = _field(
+        0.0,
+        "Then multiply each normalised training image by a random factor in [1 - C, 1 + C] "
+        "(hiverge/cifar10-speedrun's contrast); 0 turns it off.",
+        resume="match",
+        ge=0,
+        lt=1,
+    )
     mixup_alpha: float = _field(
         0.0,
         "MixUp: mix pairs of training images and their labels with a Beta(alpha, alpha) weight; 0 turns it off.",

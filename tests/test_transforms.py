@@ -91,6 +91,28 @@ def test_train_transform_is_seeded_and_varies(images):
     assert a.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_brightness_and_contrast_shift_then_scale_each_normalised_image_within_their_ranges(images):
+    """hiverge's jitter: each image's normalised pixels p become (p + b) * c, with one b in [-0.2, 0.2] and one c in
+    [0.9, 1.1] per image, shared by its channels; with both ranges 0 nothing is drawn and nothing changes."""
+    plain = T.BatchTransform(T.CIFAR10_NORMALIZATION)(images).double()
+    jitter = T.BatchTransform(T.CIFAR10_NORMALIZATION, augment=True, padding=0, flip=False, color_jitter=False,
+                              brightness_shift=0.2, contrast_scale=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    out = jitter(images).double()
+    # Per image, out = c * p + c * b: a straight line through its pixels, whose slope is c.
+    x, y = plain.flatten(1), out.flatten(1)
+    x_centred = x - x.mean(1, keepdim=True)
+    scale = (x_centred * (y - y.mean(1, keepdim=True))).sum(1) / x_centred.pow(2).sum(1)
+    shift = (y.mean(1) - scale * x.mean(1)) / scale
+    residual = y - scale.unsqueeze(1) * (x + shift.unsqueeze(1))
+    assert residual.abs().max() < 1e-5  # one b and one c for every pixel and channel of an image
+    assert ((scale >= 0.9 - 1e-6) & (scale <= 1.1 + 1e-6)).all() and scale.std() > 0.02
+    assert (shift.abs() <= 0.2 + 1e-5).all() and shift.std() > 0.04
+    off = T.BatchTransform(T.CIFAR10_NORMALIZATION, augment=True, padding=0, flip=False, color_jitter=False)
+    state = torch.get_rng_state()
+    assert torch.equal(off(images), plain.float()) and torch.equal(torch.get_rng_state(), state)
+
+
 def image_statistics(batch: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-image statistics of normalised images that each augmentation moves: brightness, contrast, saturation,
     colour balance (hue) and where the content sits (crop offsets, flips)."""
