@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_optimizer, build_scheduler, newton_schulz
@@ -202,3 +202,47 @@ def test_under_fp16_muon_steps_on_the_unscaled_gradients_and_a_skipped_step_leav
     assert not skipped and len(optimizer.state) == len(list(model.parameters()))
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("init_scale", [2.0**14, 2.0**40])
+def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_unscaled_gradients(init_scale):
+    """The fast preset's step: 4 accumulated batches (BatchNorm's statistics each batch's own) under a real
+    GradScaler. Nothing moves before the 4th batch; then at 2**14 the one step equals the step on the four batches'
+    gradients (each loss divided by 4, as Accelerate does) scaled and unscaled by hand; at 2**40 the scaled fp16
+    gradients overflow and the step is skipped, leaving the weights and the momentum alone."""
+    torch.manual_seed(4)
+    config = TrainConfig(**read_config_file(config_path("fast")))
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (500, 4)
+    model = build_model("fast_net", num_classes=10)
+    reference = copy.deepcopy(model)
+    images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    batches = list(zip(images.split(4), labels.split(4), strict=True))
+    for batch_images, batch_labels in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            (F.cross_entropy(reference(batch_images), batch_labels) / 4 * 2.0**14).backward()
+    for p in reference.parameters():
+        if p.grad is not None:
+            p.grad /= 2.0**14
+    reference_optimizer = build_optimizer(config, reference, learning_rate=0.05)
+    reference_optimizer.step()
+
+    accelerator = fp16_accelerator("cpu", init_scale=init_scale)
+    accelerator.gradient_accumulation_steps = 4
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = accelerator.prepare(model, build_optimizer(config, model, learning_rate=0.05))
+    for i, (batch_images, batch_labels) in enumerate(batches):
+        if i == 3:  # three batches in: gradients accumulated, nothing stepped
+            assert not optimizer.state
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        with accelerator.accumulate(model):
+            training_step(accelerator, model, optimizer, F.cross_entropy, batch_images, batch_labels)
+    skipped = accelerator.optimizer_step_was_skipped
+    reset_accelerate_state()
+    if init_scale == 2.0**40:
+        assert skipped and not optimizer.state
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        return
+    assert not skipped and optimizer.state
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
