@@ -145,7 +145,13 @@ def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
         "reflect",
         8,
     )
-    assert (fast.muon_ns_steps, fast.muon_ns_dtype, fast.whiten_bias_epochs) == (3, "bfloat16", 3)
+    assert (fast.muon_ns_steps, fast.muon_ns_dtype, fast.whiten_bias_epochs) == (3, "float32", 3)
+    assert (fast.per_device_train_batch_size, fast.gradient_accumulation_steps, fast.per_device_eval_batch_size) == (
+        500,
+        4,
+        250,
+    )
+    assert (fast.tta, fast.tta_below_confidence) == ("flip_translate", 0.7)
     assert fast.seed == 7
     assert load_config(["--config", "resnet18"])[0].model_name == "resnet18"
     copy = tmp_path / "mine.yaml"
