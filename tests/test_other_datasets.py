@@ -108,7 +108,7 @@ def test_presets_train_coarse_and_fine_labels_and_statistics_are_cached(train_he
     ]
     fast = train_here(
         tiny_args(cifar100_dataset, tmp_path / "fast", "--config", "fast", "--label_column_name", "fine_label")
-        + [*small, "--per_device_train_batch_size", "100"]
+        + [*small, "--per_device_train_batch_size", "25"]
     )
     assert fast.returncode == 0, fast.stderr
     caplog.clear()
