@@ -289,6 +289,11 @@ def markdown(report: dict[str, Any]) -> str:
             return "-"
         return format(stat["mean"], fmt) + (f" ± {format(stat['std'], fmt)}" if len(report["seeds"]) > 1 else "")
 
+    def versus_no(summary: dict[str, Any], key: str, fmt: str, unit: str = "") -> str:
+        if summary["vs_no"] is None:  # 'no' did not run: nothing to compare with
+            return "-"
+        return format(summary["vs_no"][key], fmt) + unit
+
     hw = report["hardware"]
     versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
     lines = [
@@ -312,12 +317,11 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in report["precisions"]:
-        ratio = s["vs_no"] or {}
         lines.append(
-            f"| {s['precision']} | {pm(s['seconds_per_epoch'], '.1f')} | {ratio.get('speedup', float('nan')):.2f}x "
+            f"| {s['precision']} | {pm(s['seconds_per_epoch'], '.1f')} | {versus_no(s, 'speedup', '.2f', 'x')} "
             f"| {pm(s['train_images_per_second'], '.0f')} | {pm(s['peak_memory_mib'], '.0f')} "
-            f"| {ratio.get('memory_ratio', float('nan')):.2f}x | {pm(s['best_val_accuracy'], '.4f')} "
-            f"| {pm(s['test_accuracy'], '.4f')} | {ratio.get('test_accuracy_points', float('nan')):+.2f} "
+            f"| {versus_no(s, 'memory_ratio', '.2f', 'x')} | {pm(s['best_val_accuracy'], '.4f')} "
+            f"| {pm(s['test_accuracy'], '.4f')} | {versus_no(s, 'test_accuracy_points', '+.2f')} "
             f"| {pm(s['skipped_steps'], '.0f')} |"
         )
     lines += ["", f"Peak memory is the {report['precisions'][0]['peak_memory_measure']}.", ""]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from cifar_accel.compare import add_ratios, markdown
+
 from conftest import read_results, run_cli, tiny_args
 
 PRECISIONS = ["no", "bf16"]
@@ -93,6 +95,18 @@ def test_each_seed_has_a_row_and_the_seeds_their_statistics(compared):
         log = (out / f"{precision}_seed42.log").read_text()
         assert "test accuracy" in log.lower()
     assert "Skipped `fp16`" in markdown and "![curves.png](curves.png)" in markdown
+
+
+def test_without_a_no_run_the_ratios_against_no_are_dashes(compared):
+    """A report of bf16 alone (the same runs, 'no' left out) has nothing to divide by: its ratio cells say so."""
+    out, _ = compared
+    report = json.loads((out / "report.json").read_text())
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| bf16 |"))
+    assert f"| {report['precisions'][1]['vs_no']['speedup']:.2f}x |" in row
+    report["precisions"] = report["precisions"][1:]
+    add_ratios(report["precisions"])
+    cells = next(line for line in markdown(report).splitlines() if line.startswith("| bf16 |")).split(" | ")
+    assert [cells[2], cells[5], cells[8]] == ["-", "-", "-"] and "nan" not in " ".join(cells)
 
 
 @pytest.mark.parametrize("name", ["curves.png", "cost.png"])
