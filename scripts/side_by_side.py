@@ -47,13 +47,19 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
     return proc, time.perf_counter()
 
 
-def finish(proc: subprocess.Popen, started: float, name: str, log: Path) -> dict[str, float]:
-    """Wait for ``proc``; its wall and CPU seconds (user + system, its children included)."""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"error: the {name} failed (exit code {os.waitstatus_to_exitcode(status)}); see {log}")
-    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
+def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dict[str, dict[str, float]]:
+    """Wait for every process of ``runs``, each timed when it exits (whichever exits first): its wall and CPU
+    seconds (user + system, its children included)."""
+    names = {proc.pid: name for name, (proc, _) in runs.items()}
+    times = {}
+    while names:
+        pid, status, usage = os.wait4(-1, 0)
+        name = names.pop(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            code = os.waitstatus_to_exitcode(status)
+            sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
+        times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
+    return times
 
 
 def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder: Path, run_dir: Path) -> dict:
@@ -76,7 +82,7 @@ def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder:
         "anchor": start(anchor_command, folder / "anchor.log"),
         "preset": start(preset_command, folder / "preset.log"),
     }
-    times = {name: finish(*run, name, folder / f"{name}.log") for name, run in runs.items()}
+    times = finish(runs, folder)
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
     if found is None:
         sys.exit(f"error: no result line in {folder / 'anchor.log'}")
