@@ -162,7 +162,9 @@ def test_the_slurm_script_on_two_simulated_nodes_matches_the_two_process_run(
     bin_dir.mkdir()
     logs.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf '127.0.0.1\\nnode-b\\n'\n")  # the allocation's nodes
+    # The allocation's nodes, the second written after a pause, as a long node list arrives: the script must read
+    # them all, not stop at the first and leave scontrol to die of SIGPIPE.
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\nsleep 0.5\necho node-b\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     env = two_rank_env(
