@@ -54,9 +54,8 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
     times = {}
     while names:
         pid, status, usage = os.wait4(-1, 0)
-        name = names.pop(pid)
-        if os.waitstatus_to_exitcode(status) != 0:
-            code = os.waitstatus_to_exitcode(status)
+        name, code = names.pop(pid), os.waitstatus_to_exitcode(status)
+        if code != 0:
             sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
         times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
     return times
