@@ -113,8 +113,8 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
 
     def fast_args(out: Path) -> list[str]:
         return ["--cpu", *run_args(tiny_dataset, out, "--config", "fast", "--per_device_train_batch_size", "8",
-                                   "--max_eval_samples", "40", "--logging_steps", "1",
-                                   "--whiten_bias_epochs", "1")]  # fmt: skip
+                                   "--gradient_accumulation_steps", "4", "--max_eval_samples", "40",
+                                   "--logging_steps", "1", "--whiten_bias_epochs", "1")]  # fmt: skip
 
     straight = tmp_path / "straight"
     proc = run_cli(fast_args(straight), two_rank_env(cli_env), launcher=TORCHRUN)

@@ -26,8 +26,8 @@ from conftest import make_images, read_results, tiny_args, train_in_process
 SHAPES = {
     "default": [],
     "default_ema": ["--ema_decay", "0.9"],
-    "fast": ["--config", "fast", "--per_device_train_batch_size", "64", "--per_device_eval_batch_size", "50",
-             "--num_train_epochs", "1"],
+    "fast": ["--config", "fast", "--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "4",
+             "--per_device_eval_batch_size", "50", "--num_train_epochs", "1"],
     "resnet18": ["--config", "resnet18", "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "50",
                  "--max_train_samples", "64", "--num_train_epochs", "1"],
 }  # fmt: skip

@@ -214,20 +214,20 @@ def test_under_fp16_muon_steps_on_the_unscaled_gradients_and_a_skipped_step_leav
 
 @pytest.mark.parametrize("init_scale", [2.0**14, 2.0**40])
 def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_unscaled_gradients(init_scale):
-    """The fast preset's step: 4 accumulated batches (BatchNorm's statistics each batch's own) under a real
-    GradScaler. Nothing moves before the 4th batch; then at 2**14 the one step equals the step on the four batches'
-    gradients (each loss divided by 4, as Accelerate does) scaled and unscaled by hand; at 2**40 the scaled fp16
-    gradients overflow and the step is skipped, leaving the weights and the momentum alone."""
+    """The fast preset's step: 8 accumulated batches (BatchNorm's statistics each batch's own) under a real
+    GradScaler. Nothing moves before the 8th batch; then at 2**14 the one step equals the step on the eight
+    batches' gradients (each loss divided by 8, as Accelerate does) scaled and unscaled by hand; at 2**40 the scaled
+    fp16 gradients overflow and the step is skipped, leaving the weights and the momentum alone."""
     torch.manual_seed(4)
     config = TrainConfig(**read_config_file(config_path("fast")))
-    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (500, 4)
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (250, 8)
     model = build_model("fast_net", num_classes=10)
     reference = copy.deepcopy(model)
-    images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    images, labels = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     batches = list(zip(images.split(4), labels.split(4), strict=True))
     for batch_images, batch_labels in batches:
         with torch.autocast("cpu", dtype=torch.float16):
-            (F.cross_entropy(reference(batch_images), batch_labels) / 4 * 2.0**14).backward()
+            (F.cross_entropy(reference(batch_images), batch_labels) / 8 * 2.0**14).backward()
     for p in reference.parameters():
         if p.grad is not None:
             p.grad /= 2.0**14
@@ -235,11 +235,11 @@ def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_
     reference_optimizer.step()
 
     accelerator = fp16_accelerator("cpu", init_scale=init_scale)
-    accelerator.gradient_accumulation_steps = 4
+    accelerator.gradient_accumulation_steps = 8
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer = accelerator.prepare(model, build_optimizer(config, model, learning_rate=0.05))
     for i, (batch_images, batch_labels) in enumerate(batches):
-        if i == 3:  # three batches in: gradients accumulated, nothing stepped
+        if i == 7:  # seven batches in: gradients accumulated, nothing stepped
             assert not optimizer.state
             assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         with accelerator.accumulate(model):

@@ -93,13 +93,13 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
 
 def fast_args(dataset, out, *extra):
     """The fast preset, scaled down to the tiny dataset (steps of 4 accumulated batches of 8, as the preset's are of
-    500), with MixUp, CutMix and an average of the weights on top; its whitening bias trains for the first 2 of the
-    3 epochs."""
+    8 batches of 250), with its brightness and contrast jitter, and MixUp, CutMix and an average of the weights on
+    top; its whitening bias trains for the first 2 of the 3 epochs."""
     return tiny_args(dataset, out, "--config", "fast", "--num_train_epochs", "3", "--whiten_bias_epochs", "2",
-                     "--per_device_train_batch_size",
-                     "8", "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--ema_decay", "0.95",
-                     "--checkpointing_steps", "4",
-                     "--checkpoints_total_limit", "100", "--logging_steps", "5", "--max_eval_samples", "40",
+                     "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4",
+                     "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--ema_decay", "0.95",
+                     "--checkpointing_steps", "4", "--checkpoints_total_limit", "100", "--logging_steps", "5",
+                     "--max_eval_samples", "40",
                      *extra)  # fmt: skip
 
 
@@ -147,10 +147,11 @@ def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
     )
     assert (fast.muon_ns_steps, fast.muon_ns_dtype, fast.whiten_bias_epochs) == (3, "float32", 3)
     assert (fast.per_device_train_batch_size, fast.gradient_accumulation_steps, fast.per_device_eval_batch_size) == (
-        500,
-        4,
+        250,
+        8,
         250,
     )
+    assert (fast.brightness_shift, fast.contrast_scale, fast.color_jitter) == (0.14, 0.13, False)
     assert (fast.tta, fast.tta_below_confidence) == ("flip_translate", 0.7)
     assert fast.seed == 7
     assert load_config(["--config", "resnet18"])[0].model_name == "resnet18"
