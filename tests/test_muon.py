@@ -221,13 +221,14 @@ def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_
     torch.manual_seed(4)
     config = TrainConfig(**read_config_file(config_path("fast")))
     assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (250, 8)
+    steps = config.gradient_accumulation_steps
     model = build_model("fast_net", num_classes=10)
     reference = copy.deepcopy(model)
-    images, labels = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    images, labels = torch.randn(4 * steps, 3, 32, 32), torch.randint(0, 10, (4 * steps,))
     batches = list(zip(images.split(4), labels.split(4), strict=True))
     for batch_images, batch_labels in batches:
         with torch.autocast("cpu", dtype=torch.float16):
-            (F.cross_entropy(reference(batch_images), batch_labels) / 8 * 2.0**14).backward()
+            (F.cross_entropy(reference(batch_images), batch_labels) / steps * 2.0**14).backward()
     for p in reference.parameters():
         if p.grad is not None:
             p.grad /= 2.0**14
@@ -235,11 +236,11 @@ def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_
     reference_optimizer.step()
 
     accelerator = fp16_accelerator("cpu", init_scale=init_scale)
-    accelerator.gradient_accumulation_steps = 8
+    accelerator.gradient_accumulation_steps = steps
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer = accelerator.prepare(model, build_optimizer(config, model, learning_rate=0.05))
     for i, (batch_images, batch_labels) in enumerate(batches):
-        if i == 7:  # seven batches in: gradients accumulated, nothing stepped
+        if i == steps - 1:  # all but the last batch in: gradients accumulated, nothing stepped
             assert not optimizer.state
             assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         with accelerator.accumulate(model):
