@@ -28,7 +28,7 @@ SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx
 
 def hardware() -> dict[str, Any]:
     """What a run ran on: the CPU (model, cores, its ``SPEED_FLAGS``, native bf16), torch's CPU capability and
-    the GPU."""
+    thread count, and the GPU."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -38,6 +38,7 @@ def hardware() -> dict[str, Any]:
         info["cpu_flags"] = [flag for flag in SPEED_FLAGS if flag in flags]
         info["cpu_native_bf16"] = native_bf16()
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["torch_threads"] = torch.get_num_threads()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
