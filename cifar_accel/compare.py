@@ -11,7 +11,8 @@ trains N runs at a time, each on cores / N threads, with its output in ``<precis
 is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It
 gives each seed's test accuracy with and without test-time augmentation and its training time, their mean, std,
-min and max, and the environment: the CPU's model and flags, torch, the precision and the threads per run.
+min and max, and the environment the runs recorded when they trained (a reused run may come from another
+invocation or machine): the CPU's model and flags, torch, the precision and each run's threads.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
@@ -40,7 +40,6 @@ from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_a
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.state import RunResults, read_results
-from cifar_accel.telemetry import hardware
 from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
@@ -131,6 +130,34 @@ def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
     if "step/loss_scale" not in events.Tags()["scalars"]:
         return []
     return [(event.step, event.value) for event in events.Scalars("step/loss_scale")]
+
+
+def by_value(runs: dict[tuple[str, int], RunResults], value: typing.Callable[[RunResults], Any]) -> dict[Any, str]:
+    """Each distinct ``value`` of the runs, with the runs that have it ("bf16 seed 0, bf16 seed 1")."""
+    groups: dict[Any, list[str]] = {}
+    for (precision, seed), results in runs.items():
+        groups.setdefault(value(results), []).append(f"{precision} seed {seed}")
+    return {key: ", ".join(names) for key, names in groups.items()}
+
+
+def recorded_environment(runs: dict[tuple[str, int], RunResults]) -> dict[str, Any]:
+    """The machine and threads the runs recorded when they trained, not this process's: a comparison may only
+    reuse them. The threads are one number when every run recorded the same, else each value with its runs."""
+    machines = by_value(runs, lambda r: json.dumps({k: v for k, v in r.hardware.items() if k != "torch_threads"}))
+    threads = by_value(runs, lambda r: r.hardware.get("torch_threads", "not recorded"))
+    if len(threads) == 1 and isinstance(only := next(iter(threads)), int):
+        threads_per_run: int | str = only
+    else:
+        threads_per_run = "; ".join(f"{value} ({names})" for value, names in threads.items())
+    return {
+        "hardware": json.loads(next(iter(machines))),
+        "other_machines": {machine_name(json.loads(hw)): names for hw, names in list(machines.items())[1:]},
+        "threads_per_run": threads_per_run,
+    }
+
+
+def machine_name(hw: dict[str, Any]) -> str:
+    return f"{hw.get('gpu') or hw['cpu']} ({' '.join(hw.get('cpu_flags', []))})"
 
 
 def mean_and_spread(values: list[float]) -> dict[str, float]:
@@ -307,8 +334,12 @@ def markdown(report: dict[str, Any]) -> str:
         + f"); device `{report['precisions'][0]['device']}`",
         f"- Software: {versions}",
         f"- Config: {report['config_summary']}; seeds {', '.join(map(str, report['seeds']))}",
-        f"- {report['jobs']} run(s) at a time, {report['threads_per_run']} thread(s) each",
+        f"- Threads per run, as the runs recorded: {report['threads_per_run']}; this comparison trains "
+        f"{report['jobs']} run(s) at a time",
     ]
+    others = "; ".join(f"{machine} ({names})" for machine, names in report.get("other_machines", {}).items())
+    if others:
+        lines.append(f"- Some runs trained on other machines, so their times do not compare with the rest: {others}")
     lines += [f"- Skipped `{name}`: {reason}" for name, reason in report["skipped"].items()]
     lines += [
         "",
@@ -345,7 +376,7 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
     ]
     for name, report in sorted(reports.items()):
         hw = report["hardware"]
-        machine = f"{hw['cpu']} ({' '.join(hw.get('cpu_flags', []))}), {report['threads_per_run']} thread(s) per run"
+        machine = f"{machine_name(hw)}; threads per run: {report['threads_per_run']}"
         for s in report["precisions"]:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
             lines.append(
@@ -400,13 +431,12 @@ def compare(
 
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
-        "hardware": hardware(),
+        **recorded_environment(finished),
         "versions": summaries[0]["versions"],
         "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
         f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
         "seeds": seeds,
         "jobs": args.jobs,
-        "threads_per_run": threads or torch.get_num_threads(),
         "skipped": skipped,
         "precisions": summaries,
     }

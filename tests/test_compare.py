@@ -118,19 +118,46 @@ def test_the_plots_are_images_of_sensible_size(compared, name):
 
 
 def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tiny_dataset, cli_env):
+    """Reused runs keep their results, and the report gives the threads and machine each run recorded, not the
+    comparison's own: here it runs on more threads than the first one gave each run, and one run's record names
+    another CPU."""
     out, _ = compared
     finished = out / "bf16_seed42" / "results.json"
     before = finished.stat().st_mtime_ns
     unfinished = out / "no_seed7" / "results.json"
     test_accuracy = json.loads(unfinished.read_text())["test_accuracy"]
     unfinished.unlink()  # as if the run had been stopped after its last checkpoint
+    first_threads = max(1, os.cpu_count() // 2)  # each run's in the first comparison, 2 at a time
+    threads = first_threads + 1  # this comparison's, and the resumed run's
 
-    proc = run_cli(compare_args(tiny_dataset, out), cli_env, module="cifar_accel.compare")
+    args = [*compare_args(tiny_dataset, out), "--jobs", "1"]
+    proc = run_cli(args, {**cli_env, "OMP_NUM_THREADS": str(threads)}, module="cifar_accel.compare")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("reusing the finished run") == 3
     assert "--resume_from_checkpoint latest" in proc.stdout
     assert finished.stat().st_mtime_ns == before
     assert json.loads(unfinished.read_text())["test_accuracy"] == test_accuracy
+    assert read_results(out / "no_seed7")["hardware"]["torch_threads"] == threads
+    assert read_results(out / "bf16_seed42")["hardware"]["torch_threads"] == first_threads
+    expected = f"{first_threads} (no seed 42, bf16 seed 42, bf16 seed 7); {threads} (no seed 7)"
+    assert json.loads((out / "report.json").read_text())["threads_per_run"] == expected
+    assert (
+        f"- Threads per run, as the runs recorded: {expected}; this comparison trains 1 run(s) at a time"
+        in (out / "report.md").read_text()
+    )
+
+    results = json.loads(finished.read_text())
+    results["hardware"]["cpu"] = "Another CPU"
+    finished.write_text(json.dumps(results))
+    proc = run_cli(args, cli_env, module="cifar_accel.compare")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["hardware"]["cpu"] == read_results(out / "no_seed42")["hardware"]["cpu"] != "Another CPU"
+    assert list(report["other_machines"].values()) == ["bf16 seed 42"]
+    assert (
+        "- Some runs trained on other machines, so their times do not compare with the rest: Another CPU ("
+        in (out / "report.md").read_text()
+    )
 
 
 def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_path):
