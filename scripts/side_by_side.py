@@ -9,7 +9,9 @@ Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --
 seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
 where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
 folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
-stopped comparison goes on where it was. The table is ``side_by_side.md`` and ``side_by_side.json``.
+stopped comparison goes on where it was; a pair that ran other commands (another precision, data, anchor or flag)
+stops the script instead. The table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names
+are those each preset run recorded in its ``results.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -23,18 +25,16 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_data
 from cifar_accel.state import read_results
-from cifar_accel.telemetry import hardware
 
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 ANCHOR_RESULT = re.compile(r"tta_acc (?P<tta>[\d.]+) plain_acc (?P<plain>[\d.]+) time (?P<own>[\d.]+) s")
@@ -61,26 +61,25 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
     return times
 
 
-def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder: Path, run_dir: Path) -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
-    anchor_command = [
-        sys.executable,
-        args.anchor,
-        args.dataset_name,
-        "--precision",
-        args.precision,
-        "--seed",
-        str(seed),
-    ]
-    preset_command = [
+def commands(args: argparse.Namespace, train_args: list[str], seed: int, run_dir: Path) -> dict[str, list[str]]:
+    anchor = [sys.executable, args.anchor, args.dataset_name, "--precision", args.precision, "--seed", str(seed)]
+    preset = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
         "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name", args.dataset_name,
         "--mixed_precision", args.precision, "--seed", str(seed), "--output_dir", str(run_dir), *train_args,
     ]  # fmt: skip
-    runs = {
-        "anchor": start(anchor_command, folder / "anchor.log"),
-        "preset": start(preset_command, folder / "preset.log"),
-    }
+    return {"anchor": anchor, "preset": preset}
+
+
+def settings(command: list[str]) -> list[str]:
+    """What a command runs, whatever its interpreter and run folder (so that a moved folder is still reused)."""
+    at = command.index("--output_dir") if "--output_dir" in command else len(command)
+    return command[1:at] + command[at + 2 :]
+
+
+def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: Path) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = {name: start(command, folder / f"{name}.log") for name, command in commands.items()}
     times = finish(runs, folder)
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
     if found is None:
@@ -90,20 +89,46 @@ def run_pair(args: argparse.Namespace, train_args: list[str], seed: int, folder:
     pair = {
         "seed": seed,
         "anchor": {"tta": float(found["tta"]), "plain": float(found["plain"]), "own_s": float(found["own"]),
-                   **times["anchor"], "command": anchor_command},
+                   **times["anchor"], "command": commands["anchor"]},
         "preset": {"tta": results.test_accuracy, "plain": results.test_accuracy_no_tta, "own_s": own_preset,
-                   "epochs": results.epochs_completed, **times["preset"], "command": preset_command},
+                   "epochs": results.epochs_completed, **times["preset"], "command": commands["preset"]},
     }  # fmt: skip
     (folder / "pair.json").write_text(json.dumps(pair, indent=2))
     return pair
 
 
-def table(pairs: list[dict], env: dict) -> str:
+def reuse_pair(done: Path, wanted: dict[str, list[str]]) -> dict:
+    """An earlier pair of this seed, if it ran the commands this invocation would run."""
+    pair = json.loads(done.read_text())
+    for name, command in wanted.items():
+        if settings(pair[name]["command"]) != settings(command):
+            sys.exit(
+                f"error: {done} ran the {name} as '{shlex.join(settings(pair[name]['command']))}', not "
+                f"'{shlex.join(settings(command))}'; give the same flags again, or another --output_dir"
+            )
+    return pair
+
+
+def machine(run_dir: Path) -> str:
+    """The CPU and torch a preset run recorded in its results."""
+    results = read_results(run_dir / "results.json")
+    hw = results.hardware
+    flags = ", ".join(hw.get("cpu_flags", [])) or "none of note"
+    return f"{hw['cpu']} ({hw['cpu_cores']} cores); flags: {flags}; torch {results.versions['torch']}"
+
+
+def table(pairs: list[dict], precision: str, machines: dict[str, list[int]]) -> str:
+    """The pairs' table; ``machines`` are the CPUs the preset runs recorded, each with its seeds."""
+    if len(machines) == 1:
+        ran_on = [f"- CPU: {next(iter(machines))}"]
+    else:
+        ran_on = ["- The pairs ran on different machines; times compare only within a pair:"]
+        ran_on += [f"  - seeds {', '.join(map(str, seeds))}: {name}" for name, seeds in machines.items()]
     lines = [
-        f"# Side by side: airbench94_muon (CPU port) and the fast preset, {env['precision']}, one thread each",
+        f"# Side by side: airbench94_muon (CPU port) and the fast preset, {precision}, one thread each",
         "",
-        f"- CPU: {env['cpu']} ({env['cpu_cores']} cores); flags: {', '.join(env['cpu_flags']) or 'none of note'}",
-        f"- torch {env['torch']}, {env['threads']} thread per process; both processes at the same time",
+        *ran_on,
+        "- One thread per process; both processes at the same time",
         "",
         "| seed | script | TTA acc | plain acc | own s | wall s | CPU s | wall vs anchor | CPU vs anchor |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -142,20 +167,27 @@ def main() -> None:
     parser.add_argument("--output_dir", default="outputs/side_by_side")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     output_dir = Path(args.output_dir)
+    folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
+    wanted = {seed: commands(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
+    earlier = {  # checked before anything runs
+        seed: reuse_pair(folder / "pair.json", wanted[seed])
+        for seed, (folder, _) in folders.items()
+        if (folder / "pair.json").exists()
+    }
     output_dir.mkdir(parents=True, exist_ok=True)
     # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
     load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
-    env = {**hardware(), "torch": torch.__version__, "precision": args.precision, "threads": 1}
-    pairs = []
-    for seed in args.seeds:
-        folder = output_dir / f"seed{seed}"
-        done, run_dir = folder / "pair.json", output_dir / f"{args.precision}_seed{seed}"
-        pair = json.loads(done.read_text()) if done.exists() else run_pair(args, train_args, seed, folder, run_dir)
+    pairs, machines = [], {}
+    for seed, (folder, run_dir) in folders.items():
+        pair = earlier.get(seed) or run_pair(wanted[seed], seed, folder, run_dir)
         pairs.append(pair)
-        print(table(pairs[-1:], env), flush=True)
-    (output_dir / "side_by_side.json").write_text(json.dumps({"environment": env, "pairs": pairs}, indent=2))
-    (output_dir / "side_by_side.md").write_text(table(pairs, env))
-    print(table(pairs, env))
+        ran_on = machine(run_dir)
+        machines.setdefault(ran_on, []).append(seed)
+        print(table(pairs[-1:], args.precision, {ran_on: [seed]}), flush=True)
+    summary = {"precision": args.precision, "threads": 1, "machines": machines, "pairs": pairs}
+    (output_dir / "side_by_side.json").write_text(json.dumps(summary, indent=2))
+    (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines))
+    print(table(pairs, args.precision, machines))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""scripts/side_by_side.py goes on where it stopped only with the same commands, and names the machine each preset
+run recorded. A real preset run trained on the tiny dataset stands for a finished pair's; its pair.json is what
+the script writes after a pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, read_results, run_cli, tiny_args
+
+SCRIPT = REPO / "scripts" / "side_by_side.py"
+ANCHOR = "absent_anchor.py"  # never started: every pair here is reused or refused
+
+
+def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str):
+    command = [sys.executable, str(SCRIPT), "--anchor", ANCHOR, "--dataset_name", str(dataset),
+               "--precision", precision, "--seeds", "0", "--output_dir", str(out), "--", *train_args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def finished_pair(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
+    """A folder as side_by_side leaves it after seed 0's pair in fp32 (``-- --num_train_epochs 1``), moved since."""
+    root = tmp_path_factory.mktemp("side_by_side")
+    earlier, out = root / "earlier", root / "moved"
+    proc = run_cli(tiny_args(tiny_dataset, earlier / "no_seed0"), cli_env)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(earlier / "no_seed0")
+    results["hardware"]["cpu"] = "The CPU the run recorded"
+    (earlier / "no_seed0" / "results.json").write_text(json.dumps(results))
+    preset = ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+              "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name",
+              str(tiny_dataset), "--mixed_precision", "no", "--seed", "0", "--output_dir", str(earlier / "no_seed0"),
+              "--num_train_epochs", "1"]  # fmt: skip
+    pair = {
+        "seed": 0,
+        "anchor": {"tta": 0.5, "plain": 0.4, "own_s": 90.0, "wall_s": 100.0, "cpu_s": 95.0,
+                   "command": ["python", ANCHOR, str(tiny_dataset), "--precision", "no", "--seed", "0"]},
+        "preset": {"tta": results["test_accuracy"], "plain": results["test_accuracy_no_tta"], "own_s": 60.0,
+                   "epochs": 1, "wall_s": 80.0, "cpu_s": 76.0, "command": preset},
+    }  # fmt: skip
+    (earlier / "seed0").mkdir()
+    (earlier / "seed0" / "pair.json").write_text(json.dumps(pair))
+    earlier.rename(out)
+    return out, pair
+
+
+def files(folder: Path) -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    ("precision", "epochs", "script", "recorded", "wanted"),
+    [
+        ("bf16", "1", "anchor", "--precision no", "--precision bf16"),
+        ("no", "2", "preset", "--num_train_epochs 1", "--num_train_epochs 2"),
+    ],
+)
+def test_a_pair_of_other_commands_stops_the_script_and_nothing_is_written(
+    finished_pair, tiny_dataset, cli_env, precision, epochs, script, recorded, wanted
+):
+    out, _ = finished_pair
+    before = files(out)
+    proc = side_by_side(tiny_dataset, out, cli_env, precision, "--num_train_epochs", epochs)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    ran, asked = line.split("', not '")
+    assert ran.startswith(f"error: {out / 'seed0' / 'pair.json'} ran the {script} as '") and recorded in ran
+    assert asked.startswith(ANCHOR if script == "anchor" else "-m accelerate.commands.launch") and wanted in asked
+    assert asked.endswith("'; give the same flags again, or another --output_dir")
+    assert files(out) == before
+
+
+def test_a_pair_of_the_same_commands_is_reused_and_named_by_its_recorded_machine(finished_pair, tiny_dataset, cli_env):
+    out, pair = finished_pair
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", "--num_train_epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    table = (out / "side_by_side.md").read_text()
+    assert "- CPU: The CPU the run recorded (" in table
+    assert f"| 0 | preset | {100 * pair['preset']['tta']:.2f} | {100 * pair['preset']['plain']:.2f} | 60 | 80 | 76 " \
+           "| 0.80x | 0.80x |" in table  # fmt: skip
+    summary = json.loads((out / "side_by_side.json").read_text())
+    assert summary["pairs"] == [pair] and list(summary["machines"].values()) == [[0]]
+    assert not (out / "seed0" / "anchor.log").exists()
