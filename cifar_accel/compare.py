@@ -74,13 +74,18 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def same_config(run_dir: Path, config: TrainConfig) -> bool:
+def config_differences(run_dir: Path, config: TrainConfig) -> list[str]:
+    """Each setting that shapes a run's result where the run in ``run_dir`` differs from ``config``, as 'key saved
+    (not wanted)'; a run without a readable config.yaml differs in that."""
     try:
         saved = read_config_file(run_dir / CONFIG_FILE)
     except InputError:  # missing or damaged: not a run of this config
-        return False
-    wanted = config.to_dict()
-    return all(saved.get(key) == value for key, value in wanted.items() if not FIELDS[key].metadata["plumbing"])
+        return [f"no readable {run_dir / CONFIG_FILE}"]
+    return [
+        f"{key} {saved.get(key)!r} (not {value!r})"
+        for key, value in config.to_dict().items()
+        if not FIELDS[key].metadata["plumbing"] and saved.get(key) != value
+    ]
 
 
 def finished_results(run_dir: Path) -> RunResults | None:
@@ -97,7 +102,7 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path, t
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
     results = finished_results(run_dir)
-    if results is not None and same_config(run_dir, config):
+    if results is not None and not config_differences(run_dir, config):
         logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
         return results
     if complete_checkpoints(run_dir):

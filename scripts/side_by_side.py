@@ -9,9 +9,9 @@ Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --
 seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
 where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
 folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
-stopped comparison goes on where it was; a pair that ran other commands (another precision, data, anchor or flag)
-stops the script instead. The table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names
-are those each preset run recorded in its ``results.json``.
+stopped comparison goes on where it was; a pair whose anchor ran another command, or whose preset run has another
+config (precision, data or a training flag), stops the script instead. The table is ``side_by_side.md`` and
+``side_by_side.json``; the CPU and torch it names are those each preset run recorded in its ``results.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.compare import config_differences
+from cifar_accel.config import TrainConfig, load_config
 from cifar_accel.data import load_data
 from cifar_accel.state import read_results
 
@@ -71,12 +72,6 @@ def commands(args: argparse.Namespace, train_args: list[str], seed: int, run_dir
     return {"anchor": anchor, "preset": preset}
 
 
-def settings(command: list[str]) -> list[str]:
-    """What a command runs, whatever its interpreter and run folder (so that a moved folder is still reused)."""
-    at = command.index("--output_dir") if "--output_dir" in command else len(command)
-    return command[1:at] + command[at + 2 :]
-
-
 def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     runs = {name: start(command, folder / f"{name}.log") for name, command in commands.items()}
@@ -97,15 +92,19 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
     return pair
 
 
-def reuse_pair(done: Path, wanted: dict[str, list[str]]) -> dict:
-    """An earlier pair of this seed, if it ran the commands this invocation would run."""
+def reuse_pair(done: Path, wanted: dict[str, list[str]], run_dir: Path) -> dict:
+    """An earlier pair of this seed, if its anchor ran the command this invocation would run and its preset run
+    (``run_dir``) the same config, whatever the interpreter and wherever the folder was then."""
     pair = json.loads(done.read_text())
-    for name, command in wanted.items():
-        if settings(pair[name]["command"]) != settings(command):
-            sys.exit(
-                f"error: {done} ran the {name} as '{shlex.join(settings(pair[name]['command']))}', not "
-                f"'{shlex.join(settings(command))}'; give the same flags again, or another --output_dir"
-            )
+    ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(wanted["anchor"][1:])
+    if ran != asked:
+        sys.exit(f"error: {done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another "
+                 "--output_dir")  # fmt: skip
+    train_argv = wanted["preset"][wanted["preset"].index("cifar_accel.train") + 1 :]
+    differences = config_differences(run_dir, load_config(train_argv)[0])
+    if differences:
+        sys.exit(f"error: {run_dir} trained the preset with {', '.join(differences)}; give the same flags again, or "
+                 "another --output_dir")  # fmt: skip
     return pair
 
 
@@ -170,8 +169,8 @@ def main() -> None:
     folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
     wanted = {seed: commands(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
     earlier = {  # checked before anything runs
-        seed: reuse_pair(folder / "pair.json", wanted[seed])
-        for seed, (folder, _) in folders.items()
+        seed: reuse_pair(folder / "pair.json", wanted[seed], run_dir)
+        for seed, (folder, run_dir) in folders.items()
         if (folder / "pair.json").exists()
     }
     output_dir.mkdir(parents=True, exist_ok=True)

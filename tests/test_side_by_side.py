@@ -1,6 +1,6 @@
-"""scripts/side_by_side.py goes on where it stopped only with the same commands, and names the machine each preset
-run recorded. A real preset run trained on the tiny dataset stands for a finished pair's; its pair.json is what
-the script writes after a pair."""
+"""scripts/side_by_side.py goes on where it stopped only with the same anchor command and preset config, and names
+the machine each preset run recorded. A real preset run, scaled down to the tiny dataset, stands for a finished
+pair's; its pair.json is what the script writes after a pair."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_results, run_cli, tiny_args
+from conftest import REPO, read_results, run_cli
 
 SCRIPT = REPO / "scripts" / "side_by_side.py"
 ANCHOR = "absent_anchor.py"  # never started: every pair here is reused or refused
+
+
+SCALED_DOWN = ["--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "4",
+               "--per_device_eval_batch_size", "50"]  # fmt: skip
 
 
 def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str):
@@ -25,24 +29,25 @@ def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, 
 
 @pytest.fixture(scope="module")
 def finished_pair(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
-    """A folder as side_by_side leaves it after seed 0's pair in fp32 (``-- --num_train_epochs 1``), moved since."""
+    """A folder as side_by_side leaves it after seed 0's pair in fp32 (``-- SCALED_DOWN``), moved since; the
+    preset's flags, then equal to the preset's values, name its brightness and contrast jitter."""
     root = tmp_path_factory.mktemp("side_by_side")
     earlier, out = root / "earlier", root / "moved"
-    proc = run_cli(tiny_args(tiny_dataset, earlier / "no_seed0"), cli_env)
+    train = ["--config", "fast", "--dataset_name", str(tiny_dataset), "--mixed_precision", "no", "--seed", "0",
+             "--output_dir", str(earlier / "no_seed0"), *SCALED_DOWN, "--brightness_shift", "0.14"]  # fmt: skip
+    proc = run_cli(train, cli_env)
     assert proc.returncode == 0, proc.stderr
     results = read_results(earlier / "no_seed0")
     results["hardware"]["cpu"] = "The CPU the run recorded"
     (earlier / "no_seed0" / "results.json").write_text(json.dumps(results))
-    preset = ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-              "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name",
-              str(tiny_dataset), "--mixed_precision", "no", "--seed", "0", "--output_dir", str(earlier / "no_seed0"),
-              "--num_train_epochs", "1"]  # fmt: skip
+    launch = ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+              "--dynamo_backend", "no", "-m", "cifar_accel.train"]  # fmt: skip
     pair = {
         "seed": 0,
         "anchor": {"tta": 0.5, "plain": 0.4, "own_s": 90.0, "wall_s": 100.0, "cpu_s": 95.0,
                    "command": ["python", ANCHOR, str(tiny_dataset), "--precision", "no", "--seed", "0"]},
         "preset": {"tta": results["test_accuracy"], "plain": results["test_accuracy_no_tta"], "own_s": 60.0,
-                   "epochs": 1, "wall_s": 80.0, "cpu_s": 76.0, "command": preset},
+                   "epochs": 1, "wall_s": 80.0, "cpu_s": 76.0, "command": [*launch, *train]},
     }  # fmt: skip
     (earlier / "seed0").mkdir()
     (earlier / "seed0" / "pair.json").write_text(json.dumps(pair))
@@ -55,30 +60,37 @@ def files(folder: Path) -> dict[Path, int]:
 
 
 @pytest.mark.parametrize(
-    ("precision", "epochs", "script", "recorded", "wanted"),
+    ("precision", "epochs", "refused"),
     [
-        ("bf16", "1", "anchor", "--precision no", "--precision bf16"),
-        ("no", "2", "preset", "--num_train_epochs 1", "--num_train_epochs 2"),
+        (
+            "bf16",
+            "1",
+            "ran the anchor as '{anchor} {data} --precision no --seed 0', not '{anchor} {data} "
+            "--precision bf16 --seed 0'",
+        ),  # fmt: skip
+        ("no", "2", "no_seed0 trained the preset with num_train_epochs 1 (not 2)"),
     ],
 )
-def test_a_pair_of_other_commands_stops_the_script_and_nothing_is_written(
-    finished_pair, tiny_dataset, cli_env, precision, epochs, script, recorded, wanted
+def test_a_pair_of_another_command_or_config_stops_the_script_and_nothing_is_written(
+    finished_pair, tiny_dataset, cli_env, precision, epochs, refused
 ):
     out, _ = finished_pair
     before = files(out)
-    proc = side_by_side(tiny_dataset, out, cli_env, precision, "--num_train_epochs", epochs)
+    proc = side_by_side(tiny_dataset, out, cli_env, precision, *SCALED_DOWN, "--num_train_epochs", epochs)
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
-    ran, asked = line.split("', not '")
-    assert ran.startswith(f"error: {out / 'seed0' / 'pair.json'} ran the {script} as '") and recorded in ran
-    assert asked.startswith(ANCHOR if script == "anchor" else "-m accelerate.commands.launch") and wanted in asked
-    assert asked.endswith("'; give the same flags again, or another --output_dir")
+    assert line.startswith(f"error: {out}") and refused.format(anchor=ANCHOR, data=tiny_dataset) in line
+    assert line.endswith("; give the same flags again, or another --output_dir")
     assert files(out) == before
 
 
-def test_a_pair_of_the_same_commands_is_reused_and_named_by_its_recorded_machine(finished_pair, tiny_dataset, cli_env):
+def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named_by_its_recorded_machine(
+    finished_pair, tiny_dataset, cli_env
+):
+    """Reused from its new folder, with the preset's flags as this invocation gives them (the jitter left to the
+    preset)."""
     out, pair = finished_pair
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", "--num_train_epochs", "1")
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN)
     assert proc.returncode == 0, proc.stderr
     table = (out / "side_by_side.md").read_text()
     assert "- CPU: The CPU the run recorded (" in table
