@@ -57,4 +57,4 @@ def test_the_readme_results_table_is_written_from_the_kept_compare_reports():
     assert block == results_table(reports), "run: python scripts/write_results_table.py"
     fast = reports["fast_bf16"]["precisions"][0]
     assert f"{100 * fast['test_accuracy']['mean']:.2f}% ± {100 * fast['test_accuracy']['std']:.2f}" in block
-    assert len(fast["per_seed"]) == 3 and [row["seed"] for row in fast["per_seed"]] == fast["seeds"]
+    assert len(fast["per_seed"]) >= 3 and [row["seed"] for row in fast["per_seed"]] == fast["seeds"]
