@@ -62,12 +62,19 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
     return times
 
 
-def commands(args: argparse.Namespace, train_args: list[str], seed: int, run_dir: Path) -> dict[str, list[str]]:
+def preset_flags(args: argparse.Namespace, train_args: list[str], seed: int, run_dir: Path) -> list[str]:
+    """The preset's ``cifar_accel.train`` flags for ``seed``."""
+    return [
+        "--config", "fast", "--dataset_name", args.dataset_name, "--mixed_precision", args.precision,
+        "--seed", str(seed), "--output_dir", str(run_dir), *train_args,
+    ]  # fmt: skip
+
+
+def commands(args: argparse.Namespace, seed: int, flags: list[str]) -> dict[str, list[str]]:
     anchor = [sys.executable, args.anchor, args.dataset_name, "--precision", args.precision, "--seed", str(seed)]
     preset = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-        "--dynamo_backend", "no", "-m", "cifar_accel.train", "--config", "fast", "--dataset_name", args.dataset_name,
-        "--mixed_precision", args.precision, "--seed", str(seed), "--output_dir", str(run_dir), *train_args,
+        "--dynamo_backend", "no", "-m", "cifar_accel.train", *flags,
     ]  # fmt: skip
     return {"anchor": anchor, "preset": preset}
 
@@ -92,16 +99,15 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
     return pair
 
 
-def reuse_pair(done: Path, wanted: dict[str, list[str]], run_dir: Path) -> dict:
-    """An earlier pair of this seed, if its anchor ran the command this invocation would run and its preset run
-    (``run_dir``) the same config, whatever the interpreter and wherever the folder was then."""
+def reuse_pair(done: Path, anchor: list[str], run_dir: Path, flags: list[str]) -> dict:
+    """An earlier pair of this seed, if its anchor ran the command ``anchor`` and its preset run (``run_dir``) the
+    config of ``flags``, whatever the interpreter and wherever the folder was then."""
     pair = json.loads(done.read_text())
-    ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(wanted["anchor"][1:])
+    ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(anchor[1:])
     if ran != asked:
         sys.exit(f"error: {done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another "
                  "--output_dir")  # fmt: skip
-    train_argv = wanted["preset"][wanted["preset"].index("cifar_accel.train") + 1 :]
-    differences = config_differences(run_dir, load_config(train_argv)[0])
+    differences = config_differences(run_dir, load_config(flags)[0])
     if differences:
         sys.exit(f"error: {run_dir} trained the preset with {', '.join(differences)}; give the same flags again, or "
                  "another --output_dir")  # fmt: skip
@@ -167,9 +173,10 @@ def main() -> None:
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     output_dir = Path(args.output_dir)
     folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
-    wanted = {seed: commands(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
+    flags = {seed: preset_flags(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
+    wanted = {seed: commands(args, seed, flags[seed]) for seed in args.seeds}
     earlier = {  # checked before anything runs
-        seed: reuse_pair(folder / "pair.json", wanted[seed], run_dir)
+        seed: reuse_pair(folder / "pair.json", wanted[seed]["anchor"], run_dir, flags[seed])
         for seed, (folder, run_dir) in folders.items()
         if (folder / "pair.json").exists()
     }
