@@ -19,6 +19,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 
+from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.averaging import WeightAverage
 from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.card import write_model_card
@@ -455,6 +456,7 @@ def main(
     )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
     datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
+    keep_freed_memory()
     run_training(config, precision_source, train_pipeline, bookkeeper_type)
 
 

@@ -25,6 +25,7 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 # ColorJitter's four colour ops, numbered as the columns of its random factors.
 BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
+GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # of red, green and blue in torchvision's rgb_to_grayscale
 
 
 @dataclass(frozen=True)
@@ -89,44 +90,55 @@ def _reflect(coordinates: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _grayscale(images: torch.Tensor) -> torch.Tensor:
-    r, g, b = images.unbind(1)
-    return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
+    """torchvision's rgb_to_grayscale: 0.2989 r + 0.587 g + 0.114 b, the products made in one pass."""
+    r, g, b = (images * images.new_tensor(GRAY_WEIGHTS).view(1, 3, 1, 1)).unbind(1)
+    return (r + g + b).unsqueeze(1)
 
 
 def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """torchvision's adjust_hue: to HSV, turn the hue by ``shift`` (a fraction of the circle), back to RGB."""
+    """torchvision's adjust_hue: to HSV, turn the hue by ``shift`` (a fraction of the circle), back to RGB.
+
+    Only branch-free arithmetic kernels: torch.where's CPU kernel branches on every element and % runs fmod, which
+    made them the slowest part of the default recipe's input pipeline. Both replacements are exact: a lerp whose
+    weight is 0 or 1 returns one of its ends, and the remainder's range is known (see below).
+    """
     r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
     value = torch.maximum(torch.maximum(r, g), b)
     delta = value - torch.minimum(torch.minimum(r, g), b)
     # Hue in sixths of the circle, from the channel that holds the maximum (red, then green, on ties); 0 for greys.
-    hue = torch.where(value == r, g - b, torch.where(value == g, 2 * delta + b - r, 4 * delta + r - g))
+    # sign(x - value) + 1 is 1 where x is the maximum and 0 elsewhere.
+    is_red, is_green = (r - value).sign_().add_(1), (g - value).sign_().add_(1)
+    hue = torch.lerp(torch.lerp(4 * delta + r - g, 2 * delta + b - r, is_green), g - b, is_red)
     hue = (hue / delta).nan_to_num_(0.0) + 6 * shift  # 0 / 0 for greys
     # Back to RGB: each channel is v - v * s * clamp(min(k, 4 - k), 0, 1) with k = (5, 3, 1) + hue, modulo 6,
-    # and v * s is delta.
-    k = (images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + hue) % 6
+    # and v * s is delta. k lies in [-0.6, 10.6], where k - 6 * floor(k / 6) is k % 6 bit for bit.
+    k = images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + hue
+    k -= 6 * (k / 6).floor_()
     return value - delta * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
-def _adjust(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """Each image's colour op (BRIGHTNESS, CONTRAST, SATURATION or HUE) with its own factor, as torchvision's
-    ``adjust_*`` functions do it; ``ops`` and ``factors`` hold one value per image."""
+def _blend(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Each image's BRIGHTNESS, CONTRAST or SATURATION (``ops``, one per image) with its factor in its row of
+    ``factors`` (one column per op), as torchvision's ``adjust_*`` functions do it: a blend of the image with a base
+    (black, its mean grey, its greyscale), all in one pass."""
     n = images.shape[0]
-    ops, factors = ops.view(n, 1, 1, 1), factors.view(n, 1, 1, 1)
-    # Brightness, contrast and saturation blend the image with a base (black, its mean grey, its greyscale), all
-    # in one pass; the images whose op is hue get weight 1 there, so they pass through unchanged.
+    factor = factors.gather(1, ops.view(n, 1)).view(n, 1, 1, 1)
+    ops = ops.view(n, 1, 1, 1)
     gray = _grayscale(images)
     base = torch.addcmul((ops == CONTRAST) * gray.mean(dim=(1, 2, 3), keepdim=True), gray, ops == SATURATION)
-    images = torch.lerp(base, images, torch.where(ops == HUE, 1.0, factors)).clamp_(0, 1)
-    hue = (ops.view(n) == HUE).nonzero().squeeze(1)
-    if hue.numel():
-        images[hue] = _shift_hue(images[hue], factors[hue])
-    return images
+    return torch.lerp(base, images, factor).clamp_(0, 1)
 
 
 def color_jitter(
     images: torch.Tensor, brightness: float, contrast: float, saturation: float, hue: float
 ) -> torch.Tensor:
-    """torchvision's ColorJitter per image: random factors, applied in a random order per image."""
+    """torchvision's ColorJitter per image: random factors, applied in a random order per image.
+
+    Every image gets one hue turn, somewhere in its order, and three blends. With the images sorted by the position
+    of their hue turn, the blends before it fall on a tail of the batch at each position, the turn is one call for
+    the whole batch, and the blends after it fall on a head of the batch; no image is touched by an op it does not
+    get.
+    """
     n = images.shape[0]
     low_high = [
         (1 - brightness, 1 + brightness),
@@ -136,10 +148,20 @@ def color_jitter(
     ]
     factors = torch.stack([torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1)
     order = torch.rand(n, 4, device=images.device).argsort(1)
-    for position in range(4):
-        ops = order[:, position]
-        images = _adjust(images, ops, factors.gather(1, ops.view(n, 1)))
-    return images
+    hue_at = (order == HUE).int().argmax(1)
+    by_hue_at = hue_at.argsort(stable=True)
+    images = images.index_select(0, by_hue_at)
+    order, factors, hue_at = order[by_hue_at], factors[by_hue_at], hue_at[by_hue_at]
+    starts = [0, *hue_at.bincount(minlength=4).cumsum(0).tolist()]  # the images whose turn is at p: starts[p]...
+    for position in range(3):  # the blends of the images whose hue turn comes later
+        later = slice(starts[position + 1], n)
+        images[later] = _blend(images[later], order[later, position], factors[later])
+    images = _shift_hue(images, factors[:, HUE].view(n, 1, 1, 1))
+    for step in range(1, 4):  # the blends `step` places after the turn, of the images that have them
+        earlier = slice(0, starts[4 - step])
+        ops = order[earlier].gather(1, (hue_at[earlier] + step).view(-1, 1)).view(-1)
+        images[earlier] = _blend(images[earlier], ops, factors[earlier])
+    return images.index_select(0, by_hue_at.argsort())
 
 
 def brightness_and_contrast(images: torch.Tensor, shift: float, scale: float) -> torch.Tensor:

@@ -30,6 +30,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from torch import nn
 
+from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
+    keep_freed_memory()  # as training does
     hw = hardware()
     print(f"{hw['cpu']}, flags {' '.join(hw.get('cpu_flags', []))}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.precision}, {STEP_IMAGES} images a step")  # fmt: skip

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.engine import training_step
 from cifar_accel.models import SimpleCNN
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--eval_batch_sizes", type=int, nargs="+", default=[64, 500, 2000])
     parser.add_argument("--eval_images", type=int, default=6000, help="Images per evaluation measurement.")
     args = parser.parse_args()
+    keep_freed_memory()  # as training does
     on_gpu = torch.cuda.is_available() and not args.cpu
     precisions = ["no", "fp16", "bf16"] if on_gpu else ["no", "bf16"]
     print(

@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 
+from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
@@ -181,6 +182,7 @@ def main() -> None:
     )
     parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
     args = parser.parse_args()
+    keep_freed_memory()  # as training does
     datasets.disable_progress_bars()
     config = recipe(args.config, args.model, args.dataset_name, args.batch_size)
     chapter_recipe = config == recipe("default", "simple_cnn", args.dataset_name, args.batch_size or 64)

@@ -22,21 +22,41 @@ def images() -> torch.Tensor:
     return images
 
 
-def test_each_image_gets_its_own_colour_op_as_torchvision_does_it(images):
-    """One call applies each image's op with its factor; the grey and the tie images get every op in turn."""
+def test_each_image_gets_torchvisions_colour_ops_in_its_own_order(images):
+    """The random factors and orders, drawn again from the same seed, applied image by image with torchvision's
+    functions, give the batch's result; the grey and the tie images are among them, and the hue turn comes at
+    every position of the order in some image."""
     reference = {T.BRIGHTNESS: TF.adjust_brightness, T.CONTRAST: TF.adjust_contrast,
                  T.SATURATION: TF.adjust_saturation, T.HUE: TF.adjust_hue}  # fmt: skip
-    factors = {T.BRIGHTNESS: 1.15, T.CONTRAST: 0.85, T.SATURATION: 1.2, T.HUE: -0.09}
-    x = images.float() / 255
-    for shift in range(4):
-        ops = (torch.arange(16) + shift) % 4
-        op_factors = torch.tensor([factors[op] for op in ops.tolist()])
-        op_factors[ops == T.HUE] *= torch.tensor([1.0, -0.8, 0.5, -1.1])  # both directions of the hue shift
-        ours = T._adjust(x, ops, op_factors)
-        theirs = torch.stack(
-            [reference[op](img, f) for img, op, f in zip(x, ops.tolist(), op_factors.tolist(), strict=True)]
-        )
-        assert torch.allclose(ours, theirs, atol=2e-5)
+    x = torch.cat([images, images.flip(0)]).float() / 255
+    torch.manual_seed(3)
+    ours = T.color_jitter(x, brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1)
+    torch.manual_seed(3)
+    ranges = [(0.8, 1.2), (0.8, 1.2), (0.8, 1.2), (-0.1, 0.1)]
+    factors = torch.stack([torch.empty(len(x)).uniform_(low, high) for low, high in ranges], 1)
+    orders = torch.rand(len(x), 4).argsort(1)
+    assert set((orders == T.HUE).int().argmax(1).tolist()) == {0, 1, 2, 3}
+    for image, out, order, image_factors in zip(x, ours, orders.tolist(), factors.tolist(), strict=True):
+        for op in order:
+            image = reference[op](image, image_factors[op])
+        assert torch.allclose(out, image, atol=5e-5)
+
+
+def test_hue_turn_picks_and_wraps_exactly():
+    """_shift_hue's branch-free arithmetic gives the same bits as the plain formula with torch.where and %, on
+    greys, ties for the maximum and every hue, for the largest turns both ways."""
+    x = torch.randint(0, 256, (64, 3, 32, 32), generator=torch.Generator().manual_seed(1)).float() / 255
+    x[:, :, :4] = x[:, :1, :4]  # greys
+    x[:, 1, 4:8] = x[:, 0, 4:8]  # red and green tie
+    x[:, 2, 8:12] = x[:, 1, 8:12]  # green and blue tie
+    shift = torch.linspace(-0.1, 0.1, 64).view(64, 1, 1, 1)
+    r, g, b = x[:, 0:1], x[:, 1:2], x[:, 2:3]
+    value = torch.maximum(torch.maximum(r, g), b)
+    delta = value - torch.minimum(torch.minimum(r, g), b)
+    hue = torch.where(value == r, g - b, torch.where(value == g, 2 * delta + b - r, 4 * delta + r - g))
+    hue = (hue / delta).nan_to_num(0.0) + 6 * shift
+    k = (torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + hue) % 6
+    assert torch.equal(T._shift_hue(x, shift), value - delta * torch.minimum(k, 4 - k).clamp(0, 1))
 
 
 def test_each_crop_is_a_window_of_the_zero_padded_image_mirrored_or_not(images):
