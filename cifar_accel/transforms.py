@@ -152,7 +152,8 @@ def color_jitter(
     by_hue_at = hue_at.argsort(stable=True)
     images = images.index_select(0, by_hue_at)
     order, factors, hue_at = order[by_hue_at], factors[by_hue_at], hue_at[by_hue_at]
-    starts = [0, *hue_at.bincount(minlength=4).cumsum(0).tolist()]  # the images whose turn is at p: starts[p]...
+    # Images starts[p] to starts[p + 1] - 1 have their hue turn at position p.
+    starts = [0, *hue_at.bincount(minlength=4).cumsum(0).tolist()]
     for position in range(3):  # the blends of the images whose hue turn comes later
         later = slice(starts[position + 1], n)
         images[later] = _blend(images[later], order[later, position], factors[later])
