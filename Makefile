@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# --quiet: when the run refuses its input, the launcher exits after the run's one-line error, without a traceback.
 train: install
-	$(VENV)/bin/accelerate launch --config_file $(PROFILE) -m cifar_accel.train --dataset_name $(DATA) $(ARGS)
+	$(VENV)/bin/accelerate launch --quiet --config_file $(PROFILE) -m cifar_accel.train --dataset_name $(DATA) $(ARGS)
 
 test: install
 	$(VENV)/bin/python -m pytest

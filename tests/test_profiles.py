@@ -82,3 +82,17 @@ def test_make_train_reads_the_local_copy_beside_the_checkout_else_the_hub(tmp_pa
     local.mkdir(parents=True)
     assert dataset_of(elsewhere) == "../shared/data/cifar10-jpeg"
     assert dataset_of(elsewhere, "DATA=my/cifar") == "my/cifar"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / ".venv" / ".installed").exists(), reason="needs the checkout's .venv (make install)")
+def test_make_train_refuses_bad_input_in_one_line_without_a_traceback(tmp_path):
+    """The README's training command, through the real launcher, on a dataset path that does not exist."""
+    proc = subprocess.run(["make", "-C", str(REPO), "train", f"DATA={tmp_path / 'missing'}",
+                           f"ARGS=--output_dir {tmp_path / 'run'}"], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: dataset path '{tmp_path / 'missing'}' does not exist; pass --dataset_name with a "
+                      "local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"]  # fmt: skip
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "run").exists()
