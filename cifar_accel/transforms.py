@@ -148,10 +148,9 @@ def color_jitter(
     ]
     factors = torch.stack([torch.empty(n, device=images.device).uniform_(lo, hi) for lo, hi in low_high], 1)
     order = torch.rand(n, 4, device=images.device).argsort(1)
-    hue_at = (order == HUE).int().argmax(1)
-    by_hue_at = hue_at.argsort(stable=True)
+    hue_at, by_hue_at = (order == HUE).int().argmax(1).sort(stable=True)
     images = images.index_select(0, by_hue_at)
-    order, factors, hue_at = order[by_hue_at], factors[by_hue_at], hue_at[by_hue_at]
+    order, factors = order[by_hue_at], factors[by_hue_at]
     # Images starts[p] to starts[p + 1] - 1 have their hue turn at position p.
     starts = [0, *hue_at.bincount(minlength=4).cumsum(0).tolist()]
     for position in range(3):  # the blends of the images whose hue turn comes later
