@@ -40,7 +40,13 @@ from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.models import build_model
-from cifar_accel.optim import build_loss, build_optimizer, build_scheduler, check_resumed_schedule
+from cifar_accel.optim import (
+    build_loss,
+    build_optimizer,
+    build_scheduler,
+    check_resumed_schedule,
+    freeze_decayed_whitening_bias,
+)
 from cifar_accel.outputs import (
     CONFIG_FILE,
     LABELS_FILE,
@@ -263,6 +269,8 @@ def train_epochs(run: Run, books: RunBookkeeper) -> None:
         for epoch in range(run.state.epoch, run.config.num_train_epochs):
             if books.stops_early():
                 break
+            if run.accelerator.num_processes == 1:
+                freeze_decayed_whitening_bias(run.optimizer)
             train_stats = train_epoch(run, books, epoch)
             val_stats = None  # --val_ratio 0: no validation
             if len(run.data.val):
