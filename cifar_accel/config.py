@@ -205,8 +205,8 @@ class TrainConfig:
     whiten_bias_epochs: int = _field(
         0,
         "fast_net: train the whitening convolution's bias for this many epochs, its learning rate decaying "
-        "linearly to 0 over them, then keep it; 0 trains it throughout, on the run's schedule. Needs a per-step "
-        "schedule.",
+        "linearly to 0 over them, then keep it (a single process stops computing its gradient then); 0 trains "
+        "it throughout, on the run's schedule. Needs a per-step schedule.",
         resume="match",
         ge=0,
     )
