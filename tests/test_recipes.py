@@ -143,7 +143,7 @@ def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
         0.0,
         "alternate",
         "reflect",
-        8,
+        9,
     )
     assert (fast.muon_ns_steps, fast.muon_ns_dtype, fast.whiten_bias_epochs) == (3, "float32", 3)
     assert (fast.per_device_train_batch_size, fast.gradient_accumulation_steps, fast.per_device_eval_batch_size) == (
