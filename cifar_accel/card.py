@@ -210,13 +210,15 @@ def read_export_description(path: Path) -> dict | None:
     return None
 
 
-def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path, class_names: list[str]) -> None:
-    """curves.png and README.md in the output folder; a README.md of the user's there is left as it is."""
+def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path, class_names: list[str]) -> bool:
+    """curves.png and README.md in the output folder; False where a README.md of the user's there is left as it is
+    and no card is written."""
     curves = plot_curves(results.history, output_dir / CURVES_FILE)
     card = output_dir / CARD_FILE
     if card.exists() and not is_model_card(card):
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
-        return
+        return False
     exports = [read_export_description(output_dir / f"{name}.json") for name in EXPORT_FILES.values()]
     name = run_name(config, output_dir)
     write_atomic(card, str(model_card(config, results, name, class_names, curves, [e for e in exports if e])))
+    return True

@@ -332,11 +332,12 @@ def finish_run(run: Run) -> RunResults:
     test_scalars = {"test/loss": test_stats["loss"], "test/accuracy": test_stats["accuracy"]}
     accelerator.log(test_scalars, step=state.global_step)
     results = run_results(run, test_stats)
+    card_written = False
     try:
         export_weights(accelerator, run.eval_model, output_dir)
         if accelerator.is_main_process:
             write_atomic(output_dir / RESULTS_FILE, json.dumps(results.to_dict(), indent=2))
-            write_model_card(run.config, results, output_dir, run.data.class_names)
+            card_written = write_model_card(run.config, results, output_dir, run.data.class_names)
     except RunFault as err:  # the checkpoints hold the finished run: its resume tests and exports it again
         raise RunFault(f"{err}, then resume with --resume_from_checkpoint latest to test and export again") from None
     log_final_pictures(run, test_stats, results)
@@ -345,9 +346,10 @@ def finish_run(run: Run) -> RunResults:
         if state.best_checkpoint is not None
         else f"the weights of the last epoch, {state.epoch}; no validation"
     )
+    card = "the model card (README.md), " if card_written else ""
     logger.info(
-        f"test accuracy {results.test_accuracy:.4f} ({tested}); model.safetensors, results.json, the model card "
-        f"(README.md), config.yaml, checkpoints/ and logs/ are in {output_dir.resolve()}"
+        f"test accuracy {results.test_accuracy:.4f} ({tested}); model.safetensors, results.json, {card}config.yaml, "
+        f"checkpoints/ and logs/ are in {output_dir.resolve()}"
     )
     return results
 

@@ -631,6 +631,7 @@ def test_a_readme_of_the_users_in_the_output_folder_is_left_as_it_is(tiny_datase
     assert proc.returncode == 0, proc.stderr
     assert (out / "README.md").read_text() == "# my notes\n"
     assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
+    assert "model.safetensors, results.json, config.yaml, checkpoints/ and logs/ are in" in proc.stdout  # no card
     proc = train_here([*tiny_args(tiny_dataset, out), "--overwrite_output_dir"])
     assert proc.returncode == 0, proc.stderr
     assert (out / "README.md").read_text() == "# my notes\n"  # not set aside with the earlier run's files

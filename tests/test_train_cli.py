@@ -39,6 +39,10 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert advice is None or f"{advice['level']} cifar_accel.precision: [RANK 0] {advice['message']}" in proc.stdout
 
     # The model card: the Hub's format, its metadata parsed as YAML and by huggingface_hub, against results.json.
+    assert (
+        f"results.json, the model card (README.md), config.yaml, checkpoints/ and logs/ are in {out.resolve()}"
+        in proc.stdout
+    )
     _, metadata, body = (out / "README.md").read_text().split("---\n", 2)
     meta = yaml.safe_load(metadata)
     assert (meta["library_name"], meta["pipeline_tag"], meta["metrics"]) == (
