@@ -57,13 +57,12 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(uninterrupted, tiny_dataset, 
     print(f"{precision}, resumed at {where}: {tensors} tensors bitwise equal (max abs diff {max_diff})")
 
 
+@pytest.mark.parametrize("uninterrupted", ["no"], indirect=True)  # the signal path is the same for every precision
 @pytest.mark.parametrize(("signal_number", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
     uninterrupted, tiny_dataset, cli_env, tmp_path, signal_number, exit_code
 ):
     precision, straight = uninterrupted
-    if precision != "no":
-        pytest.skip("the signal path is the same for every precision")
     out = tmp_path / "run"
     args = run_args(tiny_dataset, out, precision, "--logging_steps", "1")  # telemetry at every step
     command = [sys.executable, "-m", "cifar_accel.train", *args]
