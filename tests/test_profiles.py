@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,21 +47,36 @@ def test_multi_node_template_names_what_each_machine_must_set():
     assert "CHANGE" in settings["machine_rank"] and "CHANGE" in settings["main_process_ip"]
 
 
+def launcher(profile: str, *options: str) -> list[str]:
+    """``accelerate launch`` of this environment with one of the profiles."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    return [accelerate, "launch", *options, "--config_file", str(REPO / "accelerate_configs" / f"{profile}.yaml")]
+
+
 @pytest.mark.parametrize("profile", ["cpu", "cpu_bf16"])
 def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profile):
     out = tmp_path / "run"
-    launcher = [
-        shutil.which("accelerate", path=str(Path(__import__("sys").executable).parent)) or "accelerate",
-        "launch",
-        "--config_file",
-        str(REPO / "accelerate_configs" / f"{profile}.yaml"),
-    ]
-    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "150"), cli_env, launcher=launcher)
+    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "150"), cli_env, launcher=launcher(profile))
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
     assert results["mixed_precision"] == EXPECTED[profile][0]
     assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
     assert results["epochs_completed"] == 1
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_under_the_launcher_bad_input_is_the_runs_line_and_the_launchers_exit_code_1(cli_env, tmp_path, quiet):
+    """What docs/checkpoints.md says of `accelerate launch`: it exits 1 for the run's exit code 2, after the run's
+    one line; --quiet leaves that line without a traceback of the launcher's."""
+    missing = tmp_path / "missing"
+    options = ["--quiet"] if quiet else []
+    proc = run_cli(["--dataset_name", str(missing)], cli_env, launcher=launcher("cpu", *options))
+    assert proc.returncode == 1
+    line = f"error: dataset path '{missing}' does not exist; pass --dataset_name with a local copy in Hub layout"
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")][0].startswith(line)
+    assert ("Traceback" in proc.stderr) is not quiet
+    if not quiet:  # the run's own exit code shows only in the launcher's traceback
+        assert "returned non-zero exit status 2" in proc.stderr
 
 
 def test_make_train_reads_the_local_copy_beside_the_checkout_else_the_hub(tmp_path):
