@@ -4,9 +4,9 @@ training curves it shows (curves.png)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
-from accelerate.logging import get_logger
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from cifar_accel.config import TrainConfig, config_yaml
@@ -26,7 +26,7 @@ from cifar_accel.state import EpochRecord, RunResults
 from cifar_accel.trackers import run_name
 from cifar_accel.transforms import CIFAR10_NORMALIZATION
 
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)  # not Accelerate's: export writes cards with no Accelerator
 
 
 def plot_curves(history: list[EpochRecord], path: Path) -> bool:

@@ -4,6 +4,7 @@ or float images with a dynamic batch axis and normalising them as the run did.""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,6 +64,17 @@ def test_pt2_export_takes_float_images_in_the_unit_range(cifar100_run, cifar100_
     expected = load_model(cifar100_run).probabilities(test.images)
     assert torch.equal(probabilities.argmax(1), expected.argmax(1)) and (probabilities - expected).abs().max() < 1e-4
     assert not (cifar100_run / "model.pt2").exists()  # written where --output says only
+
+
+def test_an_export_beside_a_readme_of_the_users_keeps_it_and_lists_nothing_in_it(cifar100_run, cli_env, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cifar100_run, run)
+    (run / "README.md").write_text("# my notes\n")
+    proc = export(run, cli_env, "--format", "pt2")
+    assert proc.returncode == 0, proc.stderr
+    assert (run / "model.pt2").is_file() and (run / "model.pt2.json").is_file()
+    assert (run / "README.md").read_text() == "# my notes\n"
+    assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
 
 
 def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, monkeypatch):
