@@ -140,12 +140,13 @@ TRACKER_RUNS_FILE = "tracker_runs.json"  # in logs/: the MLflow run a resumed ru
 
 
 class ContinuedRun(GeneralTracker):
-    """A tracker run that a resumed training run continues. It holds the points the interrupted run logged, up to
-    ``logged_through``, some of them after the checkpoint: those are not logged again (the resume is exact, so
-    they hold the values computed again now). The config was stored when the run began (MLflow cannot change a
-    parameter)."""
+    """A tracker run that a resumed training run continues. It holds the points the interrupted run logged, each
+    metric up to its own last step in ``logged_through`` (metric -> step), some of them after the checkpoint: those
+    are not logged again (the resume is exact, so they hold the values computed again now). A run killed between
+    two metrics of one step holds the first and not the second, so the check is per metric. The config was stored
+    when the run began (MLflow cannot change a parameter)."""
 
-    def __init__(self, tracker: GeneralTracker, logged_through: int) -> None:
+    def __init__(self, tracker: GeneralTracker, logged_through: dict[str, int]) -> None:
         super().__init__(_blank=True)
         self.wrapped, self.logged_through = tracker, logged_through
         self.name, self.requires_logging_directory = tracker.name, tracker.requires_logging_directory
@@ -155,20 +156,22 @@ class ContinuedRun(GeneralTracker):
         return self.wrapped.tracker
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        if step is None or step > self.logged_through:
+        if step is not None:
+            values = {key: value for key, value in values.items() if step > self.logged_through.get(key, 0)}
+        if values:
             self.wrapped.log(values, step=step, **kwargs)
 
     def finish(self) -> None:
         self.wrapped.finish()
 
 
-def mlflow_logged_through(run_id: str) -> int:
-    """The last step of any metric the MLflow run holds (0 for none)."""
+def mlflow_logged_through(run_id: str) -> dict[str, int]:
+    """Each metric the MLflow run holds, with the last step it holds."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     keys = client.get_run(run_id).data.metrics
-    return max((m.step for key in keys for m in client.get_metric_history(run_id, key)), default=0)
+    return {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in keys}
 
 
 def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Path, resumed_step: int) -> None:

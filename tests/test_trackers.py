@@ -7,16 +7,18 @@ import subprocess
 import sys
 import time
 
+import mlflow
 import pytest
+from accelerate import Accelerator
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import load_config
-from cifar_accel.trackers import tensorboard_dir, tracker_config
+from cifar_accel.trackers import start_trackers, tensorboard_dir, tracker_config
 
-from conftest import read_results, run_cli, tiny_args
+from conftest import read_results, reset_accelerate_state, run_cli, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -125,6 +127,38 @@ def test_a_run_killed_and_resumed_continues_its_mlflow_run_holding_each_step_onc
     assert {m.step: pytest.approx(m.value) for m in client.get_metric_history(run.info.run_id, "step/loss")} == (
         tensorboard
     )
+
+
+def test_a_run_killed_between_two_metrics_of_one_step_logs_the_second_when_resumed(tmp_path, monkeypatch):
+    """The step's loss and the epoch's figures go to MLflow in two calls at the same step; a run killed between
+    them holds the first only. The resumed run continues it with the second, and does not log the first twice."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    config, _ = load_config(["--output_dir", str(out), "--report_to", "mlflow"])
+    (out / "logs").mkdir(parents=True)  # as the run makes it
+
+    killed = Accelerator(log_with="mlflow", cpu=True)
+    start_trackers(killed, config, out, resumed_step=0)
+    killed.log({"step/loss": 2.0}, step=8)
+    killed.log({"step/loss": 1.5}, step=9)  # killed here, before the epoch's figures at step 9
+    run_id = killed.get_tracker("mlflow").tracker.info.run_id
+    mlflow.end_run(status="KILLED")
+    reset_accelerate_state()
+
+    resumed = Accelerator(log_with="mlflow", cpu=True)
+    start_trackers(resumed, config, out, resumed_step=6)  # from the checkpoint of step 6: steps 7-9 again
+    for step, loss in [(7, 2.5), (8, 2.0), (9, 1.5)]:
+        resumed.log({"step/loss": loss}, step=step)
+    resumed.log({"val/accuracy": 0.25, "epoch": 1}, step=9)
+    resumed.log({"step/loss": 1.25}, step=10)
+    resumed.end_training()
+
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("cifar_accel").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics}
+    assert history == {"step/loss": [(8, 2.0), (9, 1.5), (10, 1.25)], "val/accuracy": [(9, 0.25)], "epoch": [(9, 1)]}
 
 
 @pytest.mark.parametrize("report_to", ["mlflow", "all"])
