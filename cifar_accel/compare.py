@@ -36,7 +36,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, positive_int, run_cli
-from cifar_accel.outputs import CONFIG_FILE, RESULTS_FILE, OutputDirLock, save_atomic, write_atomic
+from cifar_accel.outputs import (
+    CONFIG_FILE,
+    RESULTS_FILE,
+    OutputDirLock,
+    save_atomic,
+    writable_output_dir,
+    write_atomic,
+)
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.state import RunResults, read_results
@@ -398,12 +405,8 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file reader narrates every file
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
-    output_dir = Path(args.output_dir)
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError(f"cannot create '{output_dir}' ({err.strerror}); pick another --output_dir") from None
-    with OutputDirLock(output_dir):  # one comparison per folder; each training run locks its own subfolder
+    # One comparison per folder; each training run locks its own subfolder.
+    with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
         compare(args, argv, train_args, config, output_dir)
 
 

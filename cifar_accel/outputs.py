@@ -202,9 +202,12 @@ def remove_discarded_runs(folder: Path) -> None:
         shutil.rmtree(discarded, ignore_errors=True)
 
 
-def make_output_dir(config: TrainConfig) -> Path:
-    """Create ``output_dir`` if needed and make sure it is writable."""
-    output_dir = Path(config.output_dir)
+@contextmanager
+def writable_output_dir(output_dir: Path) -> Iterator[Path]:
+    """``output_dir`` (an --output_dir), created if needed and checked to be writable. The folders created here go
+    again if the command fails while they are still empty (before its first write), so bad input found after they
+    were made leaves nothing behind."""
+    made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write-test-{os.getpid()}"
@@ -214,7 +217,15 @@ def make_output_dir(config: TrainConfig) -> Path:
         raise InputError(
             f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
         ) from None
-    return output_dir
+    try:
+        yield output_dir
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()  # only an empty folder
+            except OSError:
+                break
+        raise
 
 
 def set_aside_note(folder: Path) -> str:

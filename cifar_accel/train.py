@@ -57,9 +57,9 @@ from cifar_accel.outputs import (
     exclusive_output_dir,
     export_weights,
     fix_for,
-    make_output_dir,
     remove_discarded_runs,
     set_aside_earlier_run,
+    writable_output_dir,
     write_atomic,
 )
 from cifar_accel.pictures import (
@@ -422,33 +422,33 @@ def run_training(
         check_trackers(trackers, Path(config.output_dir))
         check_hub_settings(config, Path(config.output_dir))
         check_dataset_path(config.dataset_name)
-        output_dir = make_output_dir(config)
-        accelerator = build_accelerator(config, output_dir, trackers)
-        with exclusive_output_dir(accelerator, output_dir):
-            run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
-            stop.defer()
-            replaced = open_run_outputs(run)
-            books = bookkeeper_type(run, stop, replaced)
-            try:
-                train_epochs(run, books)
-                results = finish_run(run)
-                stopping = stop.requested(accelerator)
-                accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
-            except OSError as err:  # a write of the trackers: TensorBoard's writer thread fails without a file name
-                raise RunFault(
-                    f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
-                    f"({err.strerror or err}); {fix_for(err)}, then "
-                    + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
-                ) from None
-            if config.push_to_hub and accelerator.is_main_process and not stopping:
-                logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
-            if stopping:
-                raise Stopped(
-                    f"stopped by {stop.name} during the final test and export, which were completed first: "
-                    f"results.json and model.safetensors are in {output_dir}",
-                    exit_code=stop.exit_code,
-                )
-            return results
+        with writable_output_dir(Path(config.output_dir)) as output_dir:
+            accelerator = build_accelerator(config, output_dir, trackers)
+            with exclusive_output_dir(accelerator, output_dir):
+                run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
+                stop.defer()
+                replaced = open_run_outputs(run)
+                books = bookkeeper_type(run, stop, replaced)
+                try:
+                    train_epochs(run, books)
+                    results = finish_run(run)
+                    stopping = stop.requested(accelerator)
+                    accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
+                except OSError as err:  # a write of the trackers: TensorBoard's writer thread fails without a file name
+                    raise RunFault(
+                        f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
+                        f"({err.strerror or err}); {fix_for(err)}, then "
+                        + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
+                    ) from None
+                if config.push_to_hub and accelerator.is_main_process and not stopping:
+                    logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
+                if stopping:
+                    raise Stopped(
+                        f"stopped by {stop.name} during the final test and export, which were completed first: "
+                        f"results.json and model.safetensors are in {output_dir}",
+                        exit_code=stop.exit_code,
+                    )
+                return results
 
 
 def main(

@@ -140,6 +140,18 @@ def test_bad_input_is_one_line_and_an_exit_code(tiny_dataset, cli_env, tmp_path,
     assert snapshot(earlier_output) == before
 
 
+@pytest.mark.parametrize("case", ["corrupt-image", "label-out-of-range", "resume-missing"])
+def test_bad_input_found_after_the_output_folder_is_made_leaves_no_folder(tiny_dataset, cli_env, tmp_path, case):
+    """The run makes its output folder (and its parents) first, to lock it; input found bad later, while the data
+    loads or the checkpoint is looked up, takes the empty folders away again."""
+    (_, flags, code, words) = next(c for c in CASES if c[0] == case)
+    made = MAKERS[case](tmp_path / "made") if case in MAKERS else None
+    args = [a.format(data=tiny_dataset, made=made) for a in flags]
+    proc = run_cli(["--output_dir", str(tmp_path / "new" / "run"), *args], cli_env)
+    assert proc.returncode == code and words[0] in proc.stderr, proc.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_odd_images_are_converted_with_a_note(cli_env, tmp_path):
     features = FEATURES
     odd = [Image.new("L", (32, 32), 90), Image.new("RGBA", (32, 32), (1, 2, 3, 4)), Image.new("RGB", (64, 48))]

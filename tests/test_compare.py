@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from cifar_accel.compare import add_ratios, markdown
@@ -167,3 +168,12 @@ def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_pat
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and "learning_rate" in line
     assert not any((tmp_path / "out").glob("*_seed*"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on this machine's GPU")
+def test_nothing_to_run_is_refused_and_leaves_no_folder(tiny_dataset, cli_env, tmp_path):
+    proc = run_cli(compare_args(tiny_dataset, tmp_path / "new" / "out", "--precisions", "fp16"), cli_env,
+                   module="cifar_accel.compare")  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == "error: none of the requested precisions can run here; add --precisions no\n"
+    assert not (tmp_path / "new").exists()  # the folders the command made for its report go again
