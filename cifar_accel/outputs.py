@@ -208,6 +208,8 @@ def writable_output_dir(output_dir: Path) -> Iterator[Path]:
     again if the command fails while they are still empty (before its first write), so bad input found after they
     were made leaves nothing behind."""
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
+    if output_dir.is_file():
+        raise InputError(f"output directory '{output_dir}' is a file; choose another --output_dir")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write-test-{os.getpid()}"

@@ -171,6 +171,9 @@ def test_output_dir_that_cannot_be_created(tiny_dataset, cli_env, tmp_path):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "is not writable" in line and "--output_dir" in line
+    proc = run_cli(tiny_args(tiny_dataset, blocker), cli_env)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: output directory '{blocker}' is a file; choose another --output_dir\n"
     assert blocker.read_text() == "not a folder"
 
 
