@@ -9,8 +9,8 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from cifar_accel.config import TrainConfig, config_yaml
-from cifar_accel.data import CIFAR10_CLASSES, looks_like_path
+from cifar_accel.config import TrainConfig, config_yaml, looks_like_path
+from cifar_accel.data import CIFAR10_CLASSES
 from cifar_accel.outputs import (
     CARD_FILE,
     CURVES_FILE,

@@ -73,7 +73,8 @@ class TrainConfig:
     # Data
     dataset_name: str = _field(
         "uoft-cs/cifar10",
-        "Hub dataset id, or a local path that datasets.load_dataset reads (Hub-layout folder, parquet, image folder).",
+        "Hub dataset id, or a local path that datasets.load_dataset reads (Hub-layout folder, parquet, image folder); "
+        "the run records a local path as an absolute one.",
         resume="match",
     )
     image_column_name: str | None = _field(
@@ -595,6 +596,11 @@ def resolve_mixed_precision(flag: str | None, launcher: str | None, config_file:
     return "no", "default"
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether a --dataset_name is a local path rather than a Hub id."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
 def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     """Parse flags and an optional ``--config`` file into a checked config and the precision's source."""
     parser = build_parser()
@@ -615,6 +621,9 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
     config = TrainConfig(**values)
+    local = Path(config.dataset_name).expanduser()
+    if looks_like_path(config.dataset_name) and local.exists():  # as evaluate and export find it from any folder
+        config = dataclasses.replace(config, dataset_name=str(local.resolve()))
     source_file = getattr(args, "config", None)
     label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
     origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}

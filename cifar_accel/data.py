@@ -23,7 +23,7 @@ from datasets.fingerprint import Hasher
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from cifar_accel.config import TrainConfig
+from cifar_accel.config import TrainConfig, looks_like_path
 from cifar_accel.errors import InputError, one_line
 from cifar_accel.progress import progress
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
@@ -58,11 +58,6 @@ class CifarData:
     normalization: Normalization
     image_column: str
     label_column: str
-
-
-def looks_like_path(name: str) -> bool:
-    """Whether a --dataset_name is a local path rather than a Hub id."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
 def check_dataset_path(dataset_name: str) -> None:

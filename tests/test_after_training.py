@@ -156,3 +156,16 @@ def test_the_documented_python_example_runs_and_agrees_with_the_model(trained_ru
     assert namespace["logits"].shape == (4, 10) and not classifier.model.training
     with pytest.raises(ValueError, match=r"uint8 tensor of shape \(N, 3, 32, 32\) or \(3, 32, 32\), got torch.float32"):
         classifier.predict(torch.zeros(2, 3, 32, 32))
+
+
+def test_a_run_on_a_relative_dataset_path_is_evaluated_from_any_folder(tiny_dataset, cli_env, tmp_path, monkeypatch):
+    """The run records the dataset's absolute path, which evaluate and export read when not given another."""
+    monkeypatch.chdir(tiny_dataset.parent)
+    out = tmp_path / "run"
+    assert train_in_process(tiny_args(f"./{tiny_dataset.name}", out)) == 0
+    assert f"dataset_name: {tiny_dataset.resolve()}\n" in (out / "config.yaml").read_text()
+    monkeypatch.chdir(tmp_path)  # the subprocess starts here, where ./tiny... does not exist
+    proc = evaluate(out, cli_env)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((out / "eval_test" / "metrics.json").read_text())
+    assert metrics["accuracy"] == read_results(out)["test_accuracy"]
