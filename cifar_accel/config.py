@@ -463,6 +463,17 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     return value
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers with an exponent as YAML 1.2 does: ``1e-3`` and ``1.0e3`` are floats, as
+    they are on the command line (PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent)."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; anything near this is not one
 MAX_YAML_DEPTH = 8  # our keys take scalars; nesting only ever comes from a wrong file
 MAX_YAML_ALIASES = 100
@@ -560,7 +571,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise InputError(f"config file {path} is not UTF-8 text; pass a YAML file") from None
     _check_yaml_shape(text, path)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""

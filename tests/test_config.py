@@ -68,6 +68,21 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.learning_rate, config.num_train_epochs) == (0.25, 4)
 
 
+def test_a_config_file_reads_exponents_as_the_command_line_does(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-3\nweight_decay: 5E-4\nmomentum: 9.0e-1\nlabel_smoothing: .1e0\n")
+    assert read_config_file(path) == {"learning_rate": 0.001, "weight_decay": 0.0005, "momentum": 0.9,
+                                      "label_smoothing": 0.1}  # fmt: skip
+    config, _ = load_config(["--config", str(path)])
+    flags, _ = load_config(
+        ["--lr", "1e-3", "--weight_decay", "5E-4", "--momentum", "9.0e-1", "--label_smoothing", ".1e0"]
+    )
+    assert config == flags
+    path.write_text("num_train_epochs: 1e1\n")  # a float still, where an int is due
+    with pytest.raises(InputError, match="'num_train_epochs' must be int, not float"):
+        read_config_file(path)
+
+
 @pytest.mark.parametrize(
     ("flag", "launcher", "file", "expected"),
     [
