@@ -464,15 +464,27 @@ def check_field(name: str, value: Any, origin: str) -> Any:
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading numbers with an exponent as YAML 1.2 does: ``1e-3`` and ``1.0e3`` are floats, as
-    they are on the command line (PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent)."""
+    """PyYAML's safe loader, with YAML 1.2's booleans and floats where PyYAML follows YAML 1.1: only true and false
+    are booleans, so ``mixed_precision: no`` is the string 'no' (1.1 reads False, as it does yes, on and off), and
+    ``1e-3`` is a float, as on the command line (1.1 wants a dot and a signed exponent)."""
 
 
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$")
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+.0123456789"))
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting the strings that ``ConfigLoader`` would read as floats (a --run_name 1e-3)."""
+
+
+ConfigDumper.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+.0123456789"))
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; anything near this is not one
 MAX_YAML_DEPTH = 8  # our keys take scalars; nesting only ever comes from a wrong file
@@ -675,7 +687,7 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
 
 def config_yaml(config: TrainConfig) -> str:
     """The config as the YAML text that ``read_config_file`` reads back, under ``CONFIG_HEADER``."""
-    return f"{CONFIG_HEADER}\n{yaml.safe_dump(config.to_dict(), sort_keys=False)}"
+    return f"{CONFIG_HEADER}\n{yaml.dump(config.to_dict(), Dumper=ConfigDumper, sort_keys=False)}"
 
 
 def flag_reference() -> str:

@@ -92,7 +92,8 @@ def check_value(annotation: Any, value: object, name: str, invalid: Invalid, lim
         return from_json(annotation, value, invalid, f"{name}.")
     kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[annotation]
     if type(value) not in kinds:
-        raise invalid(f"'{name}' must be {annotation.__name__}, not {type(value).__name__} ({quote(value)})")
+        hint = ": true or false" if annotation is bool else ""
+        raise invalid(f"'{name}' must be {annotation.__name__}{hint}, not {type(value).__name__} ({quote(value)})")
     if annotation is float:
         value = float(value)
         if not math.isfinite(value):

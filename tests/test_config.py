@@ -68,7 +68,7 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.learning_rate, config.num_train_epochs) == (0.25, 4)
 
 
-def test_a_config_file_reads_exponents_as_the_command_line_does(tmp_path):
+def test_a_config_file_reads_numbers_and_no_as_the_command_line_does(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-3\nweight_decay: 5E-4\nmomentum: 9.0e-1\nlabel_smoothing: .1e0\n")
     assert read_config_file(path) == {"learning_rate": 0.001, "weight_decay": 0.0005, "momentum": 0.9,
@@ -80,6 +80,11 @@ def test_a_config_file_reads_exponents_as_the_command_line_does(tmp_path):
     assert config == flags
     path.write_text("num_train_epochs: 1e1\n")  # a float still, where an int is due
     with pytest.raises(InputError, match="'num_train_epochs' must be int, not float"):
+        read_config_file(path)
+    path.write_text("mixed_precision: no\naugment: false\nchannels_last: True\n")  # YAML 1.1 would read False
+    assert read_config_file(path) == {"mixed_precision": "no", "augment": False, "channels_last": True}
+    path.write_text("augment: yes\n")
+    with pytest.raises(InputError, match=r"'augment' must be bool: true or false, not str \('yes'\)"):
         read_config_file(path)
 
 
@@ -109,7 +114,7 @@ def test_launcher_precision_is_read_from_the_environment(monkeypatch):
     [
         ("learning_rat: 0.1\n", "unknown key 'learning_rat'; did you mean 'learning_rate'?"),
         ("num_train_epochs: three\n", "'num_train_epochs' must be int, not str"),
-        ("augment: 1\n", "'augment' must be bool, not int"),
+        ("augment: 1\n", "'augment' must be bool: true or false, not int"),
         ("learning_rate: 0\n", "'learning_rate' must be > 0"),
         ("per_device_train_batch_size: 0\n", "'per_device_train_batch_size' must be >= 1"),
         ("val_ratio: 1.0\n", "'val_ratio' must be < 1"),
@@ -172,6 +177,10 @@ def test_config_round_trips_through_yaml(tmp_path):
     config = dataclasses.replace(TrainConfig(), learning_rate=0.02, mixed_precision="bf16", max_train_samples=10)
     (tmp_path / "config.yaml").write_text(config_yaml(config))
     assert TrainConfig(**read_config_file(tmp_path / "config.yaml")) == config
+    for run_name in ("1e-3", "no", "yes", "true", "null", "3"):  # strings that look like other values
+        config = dataclasses.replace(TrainConfig(), mixed_precision="no", run_name=run_name)
+        (tmp_path / "config.yaml").write_text(config_yaml(config))
+        assert TrainConfig(**read_config_file(tmp_path / "config.yaml")) == config
 
 
 def test_every_field_says_what_a_resume_may_do_with_it():
