@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import load as load_pickled
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
-from cifar_accel.config import FIELDS, TrainConfig
+from cifar_accel.config import FIELDS, TrainConfig, dataset_location
 from cifar_accel.errors import InputError, RunFault, one_line
 from cifar_accel.outputs import CHECKPOINTS_DIR, WEIGHTS_FILE
 from cifar_accel.schema import from_json
@@ -258,6 +258,7 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
     saved = {
         key: state.config_fingerprint.get(key, FIELDS[key].default if key in FIELDS else None) for key in fingerprint
     }
+    saved["dataset_name"] = dataset_location(saved["dataset_name"])  # recorded as typed before it was made absolute
     differences = [
         f"{key}: checkpoint {saved[key]!r}, now {value!r}" for key, value in fingerprint.items() if saved[key] != value
     ]

@@ -624,6 +624,13 @@ def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
+def dataset_location(name: str) -> str:
+    """A --dataset_name as a run records it: a local path that exists as an absolute one, so that evaluate and
+    export find it from any folder; a Hub id (or a path that does not exist, refused later) as it is."""
+    local = Path(name).expanduser()
+    return str(local.resolve()) if looks_like_path(name) and local.exists() else name
+
+
 def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     """Parse flags and an optional ``--config`` file into a checked config and the precision's source."""
     parser = build_parser()
@@ -644,9 +651,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
     config = TrainConfig(**values)
-    local = Path(config.dataset_name).expanduser()
-    if looks_like_path(config.dataset_name) and local.exists():  # as evaluate and export find it from any folder
-        config = dataclasses.replace(config, dataset_name=str(local.resolve()))
+    config = dataclasses.replace(config, dataset_name=dataset_location(config.dataset_name))
     source_file = getattr(args, "config", None)
     label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
     origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}

@@ -199,3 +199,16 @@ def test_every_field_says_what_a_resume_may_do_with_it():
         check_resume(Path("step_00000009"), state, changed, num_processes=1)
     with pytest.raises(TypeError, match="resume"):
         _field(1, "a field that says nothing about resuming")
+
+
+def test_a_checkpoint_that_recorded_a_relative_dataset_path_resumes_with_the_absolute_one(tmp_path, monkeypatch):
+    (tmp_path / "data" / "cifar").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    config, _ = load_config(["--dataset_name", "./data/cifar"])
+    assert config.dataset_name == str(tmp_path.resolve() / "data" / "cifar")
+    fingerprint = config_fingerprint(config, mixed_precision="no")
+    older = TrainerState(config_fingerprint={**fingerprint, "dataset_name": "./data/cifar"})  # as typed
+    check_resume(Path("step_00000009"), older, fingerprint, num_processes=1)
+    other = TrainerState(config_fingerprint={**fingerprint, "dataset_name": "./data/cifar100"})
+    with pytest.raises(InputError, match="dataset_name: checkpoint "):
+        check_resume(Path("step_00000009"), other, fingerprint, num_processes=1)
