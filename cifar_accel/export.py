@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import io
 import json
 import logging
 import sys
@@ -31,7 +32,7 @@ from cifar_accel.card import write_model_card
 from cifar_accel.data import load_split
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
 from cifar_accel.inference import TrainedModel, load_model
-from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, write_atomic
+from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, save_atomic, write_atomic
 from cifar_accel.state import read_results
 from cifar_accel.transforms import Normalization
 
@@ -84,24 +85,28 @@ def export_program(classifier: ImageClassifier, input_dtype: InputDtype) -> torc
 
 def write_export(classifier: ImageClassifier, export_format: ExportFormat, input_dtype: InputDtype, path: Path) -> None:
     """The exported file at ``path``, written to a temporary name first so that a failure leaves no half file."""
-    temporary = path.with_name(f"{path.stem}.partial{path.suffix}")  # torch.export.save wants the suffix .pt2
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporters' notes on torch internals say nothing about this model
-        if export_format == "pt2":
-            torch.export.save(export_program(classifier, input_dtype), temporary)
-        else:
-            torch.onnx.export(
-                classifier,
-                (example_images(input_dtype),),
-                temporary,
-                input_names=[INPUT_NAME],
-                output_names=list(OUTPUT_NAMES),
-                dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch", min=1)}},
-                dynamo=True,
-                external_data=False,  # one file; these models are far below ONNX's 2 GB limit
-                verbose=False,
-            )
-    temporary.replace(path)
+
+    def export_to(temporary: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporters' notes on torch internals say nothing about this model
+            if export_format == "pt2":  # through memory: torch.export.save to a file aborts when the disk fills
+                program = io.BytesIO()
+                torch.export.save(export_program(classifier, input_dtype), program)
+                temporary.write_bytes(program.getvalue())
+            else:
+                torch.onnx.export(
+                    classifier,
+                    (example_images(input_dtype),),
+                    temporary,
+                    input_names=[INPUT_NAME],
+                    output_names=list(OUTPUT_NAMES),
+                    dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch", min=1)}},
+                    dynamo=True,
+                    external_data=False,  # one file; these models are far below ONNX's 2 GB limit
+                    verbose=False,
+                )
+
+    save_atomic(path, export_to)
 
 
 def exported_runner(export_format: ExportFormat, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
@@ -196,12 +201,7 @@ def main(argv: Sequence[str]) -> None:
     normalization = trained.preprocess.normalization
     network = copy.deepcopy(trained.model).to(memory_format=torch.contiguous_format)
     classifier = ImageClassifier(network, normalization)
-    try:
-        write_export(classifier.eval(), args.format, args.input, path)
-    except OSError as err:
-        raise RunFault(
-            f"writing {path} failed ({err.strerror or err}); free space or choose another --output"
-        ) from None
+    write_export(classifier.eval(), args.format, args.input, path)
     description = {
         "format": args.format,
         "file": path.name,

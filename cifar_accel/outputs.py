@@ -106,7 +106,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
 
 def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temporary_path)``, then flush and rename it to ``path`` (see ``write_atomic``)."""
+    """``write(temporary_path)``, then flush and rename it to ``path`` (see ``write_atomic``); the temporary file
+    goes whatever fails."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(temporary)
@@ -114,8 +115,9 @@ def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
             os.fsync(written.fileno())
         os.replace(temporary, path)
     except OSError as err:
-        temporary.unlink(missing_ok=True)
         raise RunFault(f"writing {path} failed ({err.strerror or err}); {fix_for(err)}") from None
+    finally:
+        temporary.unlink(missing_ok=True)  # already renamed, unless something failed
 
 
 class OutputDirLock:

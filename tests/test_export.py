@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,3 +113,25 @@ def test_the_check_counts_disagreements(cifar100_run, cifar100_dataset):
     assert check["images"] == 20 and check["same_predictions"] == 0 and check["max_probability_difference"] > 0
     exact = check_export(trained, lambda images: trained.probabilities(images).numpy(), test.images, "uint8")
     assert exact == {"images": 20, "same_predictions": 20, "max_probability_difference": 0.0}
+
+
+@pytest.mark.parametrize("export_format", ["onnx", "pt2"])
+def test_a_full_disk_is_one_line_and_leaves_no_half_file(cifar100_run, cli_env, tmp_path, export_format):
+    """torch.export.save to a file aborts the process when the disk fills; ONNX raises. Either way: exit code 1,
+    one line, and nothing left on the disk."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    export = f"{sys.executable} -m cifar_accel.export --model {cifar100_run} --format {export_format}"
+    script = f"mount -t tmpfs -o size=64k tmpfs {disk} || exit 99; {export} --output {disk}/m.{export_format}; "
+    script += f'echo "exit=$?" >&2; ls -A {disk}'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if "exit=" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
+    assert proc.stderr.strip().splitlines() == [
+        f"error: writing {disk}/m.{export_format} failed (No space left on device); free space on that disk",
+        "exit=1",
+    ]
+    assert proc.stdout == ""  # ls: the disk holds nothing
