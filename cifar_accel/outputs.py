@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError
 from torch import nn
 
 from cifar_accel.config import CONFIG_HEADER, TrainConfig
@@ -88,6 +90,16 @@ def shared_files(folder: Path, project_name: str) -> list[Path]:
     files += [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else []
     events = folder / LOGS_DIR / project_name
     return files + sorted(p for p in events.glob("**/events.out.tfevents.*") if p.is_file())
+
+
+def os_error(err: Exception) -> OSError:
+    """``err`` as an OSError: itself, or the one that safetensors names in its message ("Error while serializing:
+    I/O error: No space left on device (os error 28)")."""
+    if isinstance(err, OSError):
+        return err
+    named = re.search(r"\(os error (\d+)\)", str(err))
+    code = int(named[1]) if named else errno.EIO
+    return OSError(code, os.strerror(code))
 
 
 def fix_for(err: OSError) -> str:
@@ -296,10 +308,8 @@ def export_weights(accelerator: Accelerator, model: nn.Module, output_dir: Path)
         accelerator.save_model(model, staging)
         if accelerator.is_main_process:
             save_atomic(output_dir / WEIGHTS_FILE, lambda temporary: (staging / WEIGHTS_FILE).rename(temporary))
-    except OSError as err:
-        raise RunFault(
-            f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); {fix_for(err)}, then resume with "
-            "--resume_from_checkpoint latest"
-        ) from None
+    except (OSError, SafetensorError) as caught:
+        err = os_error(caught)
+        raise RunFault(f"writing {output_dir / WEIGHTS_FILE} failed ({err.strerror or err}); {fix_for(err)}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

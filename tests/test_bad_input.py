@@ -177,13 +177,15 @@ def test_output_dir_that_cannot_be_created(tiny_dataset, cli_env, tmp_path):
     assert blocker.read_text() == "not a folder"
 
 
-def train_on_a_small_disk(disk: Path, size: str, args: list[str], env: dict, then: str = "") -> tuple[str, str, str]:
-    """Train with ``disk`` a tmpfs of ``size`` in a private mount namespace, then run the shell command ``then``;
-    returns the run's stderr line, its exit status line and its stdout."""
+def train_on_a_small_disk(
+    disk: Path, size: str, args: list[str], env: dict, then: str = "", before: str = ":"
+) -> tuple[str, str, str]:
+    """Train with ``disk`` a tmpfs of ``size`` in a private mount namespace, between the shell commands ``before``
+    and ``then``; returns the run's stderr line, its exit status line and its stdout."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) for a private tmpfs")
     script = (
-        f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; "
+        f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; {before} || exit 98; "
         f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2; {then}'
     )
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -210,6 +212,32 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli
     )
     assert resumed.returncode == 0, resumed.stderr
     assert read_results(kept)["epochs_completed"] == 2
+
+
+def test_a_full_disk_when_the_final_weights_are_written_is_one_line_and_the_resume_finishes(
+    tiny_dataset, cli_env, tmp_path
+):
+    """A finished run's checkpoints on a disk with 200 KiB to spare, too little for model.safetensors: its resume
+    tests the model and fails to export it, in one line that says what to do; once there is room, that resume
+    finishes the run."""
+    src, mounted, kept = tmp_path / "src", tmp_path / "small_disk", tmp_path / "copy"
+    mounted.mkdir()
+    assert run_cli(tiny_args(tiny_dataset, src), cli_env).returncode == 0
+    (src / "model.safetensors").unlink()
+    (src / "results.json").unlink()
+    run = mounted / "run"
+    args = tiny_args(tiny_dataset, run, "--resume_from_checkpoint", "latest")
+    room = f"$(( $(df -k --output=used {mounted} | tail -1) + 200 ))k"
+    before = f"cp -r {src} {run} && mount -o remount,size={room} {mounted}"
+    error, status, _ = train_on_a_small_disk(mounted, "64m", args, cli_env, then=f"cp -r {run} {kept}", before=before)
+    assert status == "exit=1"
+    assert error == (f"error: writing {run}/model.safetensors failed (No space left on device); free space on that "
+                     "disk, then resume with --resume_from_checkpoint latest to test and export again")  # fmt: skip
+    assert not (kept / "model.safetensors").exists() and not list(kept.glob(".export-*"))
+
+    resumed = run_cli(tiny_args(tiny_dataset, kept, "--resume_from_checkpoint", "latest"), cli_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (kept / "model.safetensors").is_file() and read_results(kept)["epochs_completed"] == 1
 
 
 def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder_and_the_fix(tiny_dataset, cli_env, tmp_path):
