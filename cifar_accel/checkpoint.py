@@ -84,6 +84,8 @@ def save_checkpoint(
         previous = complete_checkpoints(output_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "unexpected pos" in reason:  # torch's zip writer on a short write: "[enforce fail at ...] unexpected pos"
+            reason = f"a write fell short, so the disk is likely full: {reason}"
         raise CheckpointSaveError(
             f"saving checkpoint {final.name} failed ({reason}); {kept}; free space and resume with "
             "--resume_from_checkpoint latest"

@@ -195,15 +195,24 @@ def train_on_a_small_disk(
     return error, status, proc.stdout
 
 
-def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli_env, tmp_path):
-    """The run writes into a 1.8 MB tmpfs (private mount namespace): epoch 1's checkpoint (about 1.2 MB) fits,
-    epoch 2's does not. The run must stop with one line, leave epoch 1's checkpoint whole, and resume from it."""
+@pytest.mark.parametrize(
+    ("size", "reason"),
+    [
+        ("1800k", "Error while serializing: I/O error: No space left on device (os error 28)"),  # model.safetensors
+        ("2100k", "a write fell short, so the disk is likely full: [enforce fail at"),  # optimizer.bin, by torch.save
+    ],
+    ids=["safetensors", "torch.save"],
+)
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli_env, tmp_path, size, reason):
+    """The run writes into a small tmpfs (private mount namespace): epoch 1's checkpoint (about 1.2 MB) fits,
+    epoch 2's does not. The run must stop with one line naming the cause, leave epoch 1's checkpoint whole, and
+    resume from it."""
     mounted, kept = tmp_path / "small_disk", tmp_path / "copy"
     mounted.mkdir()
     args = tiny_args(tiny_dataset, mounted / "run", "--num_train_epochs", "2")
-    error, status, _ = train_on_a_small_disk(mounted, "1800k", args, cli_env, then=f"cp -r {mounted}/run {kept}")
+    error, status, _ = train_on_a_small_disk(mounted, size, args, cli_env, then=f"cp -r {mounted}/run {kept}")
     assert status == "exit=1"
-    assert error.startswith("error: ") and "saving checkpoint step_00000018 failed" in error
+    assert error.startswith(f"error: saving checkpoint step_00000018 failed ({reason}"), error
     assert "step_00000009 is intact" in error and "--resume_from_checkpoint latest" in error
     assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step_00000009"]
 
