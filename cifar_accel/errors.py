@@ -2,15 +2,18 @@
 
 0 success; 2 bad input (config, flags, data, checkpoint); 1 a fault at run
 time. Both failures print one line on stderr; ``--debug`` shows the traceback.
-A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoint.
+A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoint, and one whose stdout
+reader went away (``| head``) with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
+import typing
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -96,9 +99,51 @@ def report_thread_failure(args: threading.ExceptHookArgs) -> None:
     print(f"background thread {args.thread.name if args.thread else '?'} failed: {name}: {one_line(args.exc_value)}")
 
 
+class Stdout:
+    """``sys.stdout`` of a command, which outlives its reader. When the reader goes away (``| head``), the rest goes
+    to /dev/null (file descriptor 1 is pointed there, as the Python docs advise for a BrokenPipeError) and
+    ``on_reader_gone`` is called once: a training run then stops as SIGPIPE would, with a checkpoint (see
+    ``StopRequest``); the other commands finish quietly."""
+
+    def __init__(self, stream: typing.TextIO) -> None:
+        self.stream, self.reader_gone = stream, False
+        self.on_reader_gone: Callable[[], None] = lambda: None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._went_away()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._went_away()
+
+    def __getattr__(self, name: str) -> typing.Any:  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
+
+    def _went_away(self) -> None:
+        if not self.reader_gone:
+            self.reader_gone = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            self.on_reader_gone()
+
+
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
-    """Run ``main(argv)`` and turn exceptions into the exit-code contract: one line on stderr for a failure,
-    with at most ``MAX_ERROR_CHARACTERS`` characters."""
+    """Run ``main(argv)`` with ``sys.stdout`` a ``Stdout``, and turn exceptions into the exit-code contract: one
+    line on stderr for a failure, with at most ``MAX_ERROR_CHARACTERS`` characters."""
+    stdout = sys.stdout
+    sys.stdout = Stdout(stdout)
+    try:
+        return _exit_code(main, argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     keep_stderr_for_errors()
     debug = "--debug" in argv

@@ -1,4 +1,5 @@
-"""Stopping on request: SIGINT or SIGTERM, whenever it arrives.
+"""Stopping on request: SIGINT or SIGTERM, whenever it arrives, or the reader of stdout going away (``| head``),
+taken as SIGPIPE.
 
 While a run is being set up (loading and decoding data, building the model) nothing of it is written yet, so a
 signal stops it at once. Once it writes, a signal is recorded instead and the run stops at the next safe point:
@@ -9,12 +10,13 @@ at once.
 from __future__ import annotations
 
 import signal
+import sys
 from types import FrameType
 
 import torch
 from accelerate import Accelerator
 
-from cifar_accel.errors import Stopped
+from cifar_accel.errors import Stdout, Stopped
 
 
 class StopRequest:
@@ -28,16 +30,30 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         for number in (signal.SIGINT, signal.SIGTERM):
             self._previous[number] = signal.signal(number, self._record)
+        if isinstance(sys.stdout, Stdout):
+            sys.stdout.on_reader_gone = self._reader_gone
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+        if isinstance(sys.stdout, Stdout):
+            sys.stdout.on_reader_gone = lambda: None
 
     def defer(self) -> None:
-        """From now on a signal is recorded and honoured at the next safe point (``requested``)."""
+        """From now on a signal is recorded and honoured at the next safe point (``requested``). A reader of stdout
+        that went away during the set-up stops the run here, before its first write."""
+        if self.signal_number:
+            raise Stopped(
+                f"stopped by {self.name} before training started; nothing of the run was written", self.exit_code
+            )
         self.immediate = False
+
+    def _reader_gone(self) -> None:
+        """Recorded, never raised: it is called from inside a write to stdout (a log line), whose handler would
+        print the exception instead of passing it on."""
+        self.signal_number = self.signal_number or signal.SIGPIPE
 
     def _record(self, number: int, frame: FrameType | None) -> None:
         if self.immediate:

@@ -526,6 +526,24 @@ def test_predict_reads_only_regular_image_files_and_says_what_it_skipped(finishe
     }  # fmt: skip
 
 
+def test_predict_into_a_reader_that_goes_away_finishes_quietly(finished_run, cli_env, tmp_path):
+    """``predict photos/ | head -1``, with more lines than a pipe holds: exit code 0 and nothing on stderr, where
+    every later line raised BrokenPipeError."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    make_images(1, 0)[0][0].save(folder / "0000.png")
+    for i in range(1, 800):  # about 140 kB of JSON lines; a pipe holds 64 kB
+        shutil.copyfile(folder / "0000.png", folder / f"{i:04d}.png")
+    proc = subprocess.Popen([sys.executable, "-m", "cifar_accel.predict", "--model", str(finished_run), str(folder),
+                             "--format", "jsonl"], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert json.loads(proc.stdout.readline())["file"] == str(folder / "0000.png")
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert stderr == ""
+
+
 @pytest.mark.parametrize(
     ("module", "argv"),
     [
@@ -593,6 +611,40 @@ def test_a_signal_while_loading_data_stops_at_once_and_writes_nothing(tiny_datas
     assert proc.returncode == 143
     assert stderr.strip().splitlines() == ["stopped by SIGTERM before training started; nothing of the run was written"]
     assert not out.exists()  # the folder the run made for itself goes too
+
+
+@pytest.mark.parametrize(
+    ("last_line_read", "stop_line"),
+    [
+        ("effective config:", "stopped by SIGPIPE before training started; nothing of the run was written"),
+        ("epoch 1:", "stopped by SIGPIPE after "),  # at the next step that logs
+    ],
+    ids=["during-set-up", "during-training"],
+)
+def test_a_reader_of_stdout_that_goes_away_stops_the_run_as_sigpipe_would(tiny_dataset, cli_env, tmp_path,
+                                                                           last_line_read, stop_line):  # fmt: skip
+    """``train | head``: once head has its lines and exits, the next log line finds no reader. The run stops as a
+    signal stops it, in one line and with exit code 141 (128 + SIGPIPE), instead of a log-error traceback per
+    line; in training, after the step, with a checkpoint that the resume finishes from."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3")
+    proc = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=cli_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for line in proc.stdout:
+        if last_line_read in line:
+            break
+    proc.stdout.close()  # as head does when it has its lines
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(stop_line)
+    if last_line_read == "effective config:":
+        assert not out.exists()
+        return
+    assert "resume with --resume_from_checkpoint latest" in line and not (out / "results.json").exists()
+    resumed = run_subprocess([*args, "--resume_from_checkpoint", "latest"], cli_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_results(out)["epochs_completed"] == 3
 
 
 class SignalAfterTheLastEpoch(RunBookkeeper):
