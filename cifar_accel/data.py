@@ -85,6 +85,9 @@ def load_raw(dataset_name: str, splits: tuple[str, ...] = ("train", "test")) -> 
     return raw
 
 
+IMAGE_SOURCE_DTYPES = ("string", "large_string", "binary", "large_binary")  # file paths or encoded bytes
+
+
 def find_columns(features: datasets.Features, image_column: str | None, label_column: str | None) -> tuple[str, str]:
     """The image and label column names: as given, or found from the feature types."""
     names = ", ".join(features)
@@ -94,6 +97,14 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
             raise InputError(f"no image column found (columns: {names}); name it with --image_column_name")
     elif image_column not in features:
         raise InputError(f"image column '{image_column}' not found (columns: {names}); fix --image_column_name")
+    feature = features[image_column]
+    if not isinstance(feature, datasets.Image) and getattr(feature, "dtype", None) not in IMAGE_SOURCE_DTYPES:
+        held = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+        images = [k for k, v in features.items() if isinstance(v, datasets.Image)]
+        raise InputError(
+            f"image column '{image_column}' holds {held}, not images (Image columns: {', '.join(images) or 'none'}); "
+            "fix --image_column_name"
+        )
     if label_column is None:
         label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
     if label_column not in features:

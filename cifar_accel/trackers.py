@@ -36,9 +36,11 @@ def requested_trackers(report_to: str) -> list[str] | str | None:
     would leave it out without a word)."""
     if report_to.strip() in ("none", "all"):
         return None if report_to.strip() == "none" else "all"
-    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    names = list(dict.fromkeys(name.strip() for name in report_to.split(",") if name.strip()))  # each once
     installed = {tracker.value for tracker in get_available_trackers()}
     for name in names:
+        if name in ("none", "all"):
+            raise InputError(f"--report_to: '{name}' stands alone; pass --report_to {name}, or tracker names only")
         if name not in TRACKERS:
             raise InputError(
                 f"--report_to: '{name[:40]}' is not a tracker; use tensorboard, all, none, or names from "

@@ -86,6 +86,8 @@ CASES = [
     ("no-image-column", ["--dataset_name", "{made}"], 2, ["no image column", "--image_column_name"]),
     ("wrong-image-column", ["--dataset_name", "{data}", "--image_column_name", "picture"], 2,
      ["image column 'picture' not found", "img"]),
+    ("not-an-image-column", ["--dataset_name", "{data}", "--image_column_name", "label"], 2,
+     ["image column 'label' holds ClassLabel, not images (Image columns: img)", "--image_column_name"]),
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
     ("empty-split", ["--dataset_name", "{made}"], 2, ["has an empty split", "\"test\""]),
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.config import load_config
-from cifar_accel.trackers import start_trackers, tensorboard_dir, tracker_config
+from cifar_accel.trackers import requested_trackers, start_trackers, tensorboard_dir, tracker_config
 
 from conftest import read_results, reset_accelerate_state, run_cli, tiny_args
 
@@ -27,6 +27,7 @@ from conftest import read_results, reset_accelerate_state, run_cli, tiny_args
         ("wandb", "--report_to wandb: its package is not installed; pip install wandb, or pick another tracker"),
         ("tensorboard,comet_ml", "--report_to comet_ml: its package is not installed; pip install comet_ml"),
         ("tensorbored", "--report_to: 'tensorbored' is not a tracker; use tensorboard, all, none, or names from"),
+        ("none,tensorboard", "--report_to: 'none' stands alone; pass --report_to none, or tracker names only"),
     ],
 )
 def test_a_tracker_that_cannot_run_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, report_to, message):
@@ -75,6 +76,12 @@ def test_mlflow_offline_holds_the_scalars_and_config_that_tensorboard_holds(
         tensorboard = [(e.step, e.value) for e in events.Scalars(tag)]
         mlflow = [(m.step, pytest.approx(m.value)) for m in client.get_metric_history(run.info.run_id, tag)]
         assert tensorboard == mlflow, tag
+
+
+def test_a_tracker_named_twice_starts_once():
+    """Accelerate would start two TensorBoard writers, each with its own event file of the same scalars."""
+    assert requested_trackers(" tensorboard,mlflow,tensorboard ") == ["tensorboard", "mlflow"]
+    assert requested_trackers("all") == "all" and requested_trackers("none") is None
 
 
 def test_report_to_none_writes_no_event_files(tiny_dataset, train_here, tmp_path):
