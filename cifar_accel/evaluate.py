@@ -27,7 +27,7 @@ from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import save_atomic, write_atomic
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
 from cifar_accel.plots import MISSING, pyplot
-from cifar_accel.precision import effective_precision
+from cifar_accel.precision import effective_precision, warn_if_not_in_effect
 
 
 def build_parser() -> ArgumentParser:
@@ -112,6 +112,7 @@ def main(argv: Sequence[str]) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise InputError(f"--output_dir '{output_dir}' is a file, not a folder; pick another --output_dir")
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
+    warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
         split, class_names = load_split(
             args.dataset_name or run.dataset_name,

@@ -125,12 +125,17 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def log_precision_report(report: dict[str, Any]) -> None:
-    if report["effective"] != report["requested"]:
+def warn_if_not_in_effect(accelerator: Accelerator, work: str) -> None:
+    """A warning where the precision asked for is not the one in effect (fp16 on a CPU), which Accelerate replaces
+    by fp32 without a word; ``work`` says what runs in fp32 instead ("prediction runs in fp32")."""
+    requested = accelerator.mixed_precision
+    if effective_precision(accelerator) != requested:
         logger.warning(
-            f"mixed precision '{report['requested']}' is not available on {report['device']}: training runs in fp32 "
-            "and is recorded as 'no' (use bf16 on a CPU)"
+            f"mixed precision '{requested}' is not available on {accelerator.device.type}: {work} (use bf16 on a CPU)"
         )
+
+
+def log_precision_report(report: dict[str, Any]) -> None:
     scaler = f"GradScaler, initial scale {report['initial_loss_scale']:g}" if report["grad_scaler"] else "no GradScaler"
     logger.info(
         f"precision: requested '{report['requested']}' ({report['requested_by']}), in effect '{report['effective']}' "

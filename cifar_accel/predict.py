@@ -21,6 +21,7 @@ from cifar_accel.config import Precision
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
 from cifar_accel.inference import load_model
+from cifar_accel.precision import warn_if_not_in_effect
 
 IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
 
@@ -89,6 +90,7 @@ def main(argv: Sequence[str]) -> None:
     files, skipped = image_files(args.images)
     images, originals = read_images(files)
     accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
+    warn_if_not_in_effect(accelerator, "prediction runs in fp32")
     trained.model = accelerator.prepare(trained.model)
     with accelerator.autocast():
         probabilities = trained.probabilities(images)

@@ -69,7 +69,12 @@ from cifar_accel.pictures import (
     log_test_pictures,
     tensorboard_writer,
 )
-from cifar_accel.precision import effective_precision, log_precision_report, precision_report
+from cifar_accel.precision import (
+    effective_precision,
+    log_precision_report,
+    precision_report,
+    warn_if_not_in_effect,
+)
 from cifar_accel.profiling import STEPS_BEFORE_RECORDING, profiled
 from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
@@ -237,6 +242,7 @@ def measure_precision(run: Run, source: str) -> dict[str, Any]:
     report = precision_report(
         run.accelerator, run.model, run.loss_fn, run.eval_transform(images), labels, run.config.mixed_precision, source
     )
+    warn_if_not_in_effect(run.accelerator, "training runs in fp32 and is recorded as 'no'")
     log_precision_report(report)
     return report
 

@@ -169,3 +169,19 @@ def test_a_run_on_a_relative_dataset_path_is_evaluated_from_any_folder(tiny_data
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads((out / "eval_test" / "metrics.json").read_text())
     assert metrics["accuracy"] == read_results(out)["test_accuracy"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on this machine's GPU")
+@pytest.mark.parametrize("module", ["evaluate", "predict"])
+def test_fp16_on_a_cpu_says_it_runs_in_fp32(trained_run, cli_env, tmp_path, module):
+    """Accelerate replaces fp16 by fp32 on a CPU without a word; evaluate and predict say so, as training does."""
+    make_images(1, seed=3)[0][0].save(tmp_path / "a.png")
+    inputs = ["--output_dir", str(tmp_path / "eval")] if module == "evaluate" else [str(tmp_path / "a.png")]
+    proc = run_cli(["--model", str(trained_run), "--mixed_precision", "fp16", *inputs], cli_env,
+                   module=f"cifar_accel.{module}")  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if "mixed precision 'fp16' is not available on cpu" in line]
+    work = "evaluation" if module == "evaluate" else "prediction"
+    assert len(warnings) == 1 and f"{work} runs in fp32" in warnings[0]
+    if module == "evaluate":
+        assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["mixed_precision"] == "no"
