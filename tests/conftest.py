@@ -199,6 +199,30 @@ def run_cli(
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_on_a_small_disk(
+    disk: Path,
+    size: str,
+    args: list[str],
+    env: dict,
+    then: str = "",
+    before: str = ":",
+    module: str = "cifar_accel.train",
+) -> tuple[str, str, str]:
+    """Run ``python -m module args`` with ``disk`` a tmpfs of ``size`` in a private mount namespace, between the
+    shell commands ``before`` and ``then``; returns its stderr line, its exit status line and the stdout of both."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    script = (
+        f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; {before} || exit 98; "
+        f'{sys.executable} -m {module} {" ".join(args)}; echo "exit=$?" >&2; {then}'
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if "exit=" not in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
+    error, status = proc.stderr.strip().splitlines()
+    return error, status, proc.stdout
+
+
 def reset_accelerate_state() -> None:
     """Forget the Accelerator of a test: its state is a process-wide singleton."""
     AcceleratorState._reset_state(reset_partial_state=True)

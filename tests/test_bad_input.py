@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -19,6 +16,7 @@ from conftest import (
     make_images,
     read_results,
     run_cli,
+    run_on_a_small_disk,
     snapshot,
     tiny_args,
     write_split_files,
@@ -179,24 +177,6 @@ def test_output_dir_that_cannot_be_created(tiny_dataset, cli_env, tmp_path):
     assert blocker.read_text() == "not a folder"
 
 
-def train_on_a_small_disk(
-    disk: Path, size: str, args: list[str], env: dict, then: str = "", before: str = ":"
-) -> tuple[str, str, str]:
-    """Train with ``disk`` a tmpfs of ``size`` in a private mount namespace, between the shell commands ``before``
-    and ``then``; returns the run's stderr line, its exit status line and its stdout."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) for a private tmpfs")
-    script = (
-        f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; {before} || exit 98; "
-        f'{sys.executable} -m cifar_accel.train {" ".join(args)}; echo "exit=$?" >&2; {then}'
-    )
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if "exit=" not in proc.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
-    error, status = proc.stderr.strip().splitlines()
-    return error, status, proc.stdout
-
-
 @pytest.mark.parametrize(
     ("size", "reason"),
     [
@@ -212,7 +192,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_dataset, cli
     mounted, kept = tmp_path / "small_disk", tmp_path / "copy"
     mounted.mkdir()
     args = tiny_args(tiny_dataset, mounted / "run", "--num_train_epochs", "2")
-    error, status, _ = train_on_a_small_disk(mounted, size, args, cli_env, then=f"cp -r {mounted}/run {kept}")
+    error, status, _ = run_on_a_small_disk(mounted, size, args, cli_env, then=f"cp -r {mounted}/run {kept}")
     assert status == "exit=1"
     assert error.startswith(f"error: saving checkpoint step_00000018 failed ({reason}"), error
     assert "step_00000009 is intact" in error and "--resume_from_checkpoint latest" in error
@@ -240,7 +220,7 @@ def test_a_full_disk_when_the_final_weights_are_written_is_one_line_and_the_resu
     args = tiny_args(tiny_dataset, run, "--resume_from_checkpoint", "latest")
     room = f"$(( $(df -k --output=used {mounted} | tail -1) + 200 ))k"
     before = f"cp -r {src} {run} && mount -o remount,size={room} {mounted}"
-    error, status, _ = train_on_a_small_disk(mounted, "64m", args, cli_env, then=f"cp -r {run} {kept}", before=before)
+    error, status, _ = run_on_a_small_disk(mounted, "64m", args, cli_env, then=f"cp -r {run} {kept}", before=before)
     assert status == "exit=1"
     assert error == (f"error: writing {run}/model.safetensors failed (No space left on device); free space on that "
                      "disk, then resume with --resume_from_checkpoint latest to test and export again")  # fmt: skip
@@ -257,7 +237,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder_and_the_fix
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--logging_steps", "1")
-    error, status, stdout = train_on_a_small_disk(out / "logs", "12k", args, cli_env)
+    error, status, stdout = run_on_a_small_disk(out / "logs", "12k", args, cli_env)
     assert status == "exit=1"
     assert error == (f"error: writing the tracker files in {out / 'logs'} failed (No space left on device); free "
                      "space on that disk, then run again")  # fmt: skip

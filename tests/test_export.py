@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from cifar_accel.export import check_export
 from cifar_accel.export import main as export_main
 from cifar_accel.inference import load_model
 
-from conftest import run_cli
+from conftest import run_cli, run_on_a_small_disk
 
 
 def export(model: Path, env: dict, *extra: str):
@@ -119,19 +118,13 @@ def test_the_check_counts_disagreements(cifar100_run, cifar100_dataset):
 def test_a_full_disk_is_one_line_and_leaves_no_half_file(cifar100_run, cli_env, tmp_path, export_format):
     """torch.export.save to a file aborts the process when the disk fills; ONNX raises. Either way: exit code 1,
     one line, and nothing left on the disk."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) for a private tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    export = f"{sys.executable} -m cifar_accel.export --model {cifar100_run} --format {export_format}"
-    script = f"mount -t tmpfs -o size=64k tmpfs {disk} || exit 99; {export} --output {disk}/m.{export_format}; "
-    script += f'echo "exit=$?" >&2; ls -A {disk}'
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    if "exit=" not in proc.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
-    assert proc.stderr.strip().splitlines() == [
+    args = ["--model", str(cifar100_run), "--format", export_format, "--output", f"{disk}/m.{export_format}"]
+    error, status, stdout = run_on_a_small_disk(disk, "64k", args, cli_env, then=f"ls -A {disk}",
+                                                module="cifar_accel.export")  # fmt: skip
+    assert [error, status] == [
         f"error: writing {disk}/m.{export_format} failed (No space left on device); free space on that disk",
         "exit=1",
     ]
-    assert proc.stdout == ""  # ls: the disk holds nothing
+    assert stdout == ""  # ls: the disk holds nothing
