@@ -117,16 +117,16 @@ def _shift_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return value - delta * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
-def _blend(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def _blend_(images: torch.Tensor, ops: torch.Tensor, factors: torch.Tensor) -> None:
     """Each image's BRIGHTNESS, CONTRAST or SATURATION (``ops``, one per image) with its factor in its row of
     ``factors`` (one column per op), as torchvision's ``adjust_*`` functions do it: a blend of the image with a base
-    (black, its mean grey, its greyscale), all in one pass."""
+    (black, its mean grey, its greyscale), all in one pass, written over ``images``."""
     n = images.shape[0]
     factor = factors.gather(1, ops.view(n, 1)).view(n, 1, 1, 1)
     ops = ops.view(n, 1, 1, 1)
     gray = _grayscale(images)
     base = torch.addcmul((ops == CONTRAST) * gray.mean(dim=(1, 2, 3), keepdim=True), gray, ops == SATURATION)
-    return torch.lerp(base, images, factor).clamp_(0, 1)
+    torch.lerp(base, images, factor, out=images).clamp_(0, 1)
 
 
 def color_jitter(
@@ -155,12 +155,12 @@ def color_jitter(
     starts = [0, *hue_at.bincount(minlength=4).cumsum(0).tolist()]
     for position in range(3):  # the blends of the images whose hue turn comes later
         later = slice(starts[position + 1], n)
-        images[later] = _blend(images[later], order[later, position], factors[later])
+        _blend_(images[later], order[later, position], factors[later])
     images = _shift_hue(images, factors[:, HUE].view(n, 1, 1, 1))
     for step in range(1, 4):  # the blends `step` places after the turn, of the images that have them
         earlier = slice(0, starts[4 - step])
         ops = order[earlier].gather(1, (hue_at[earlier] + step).view(-1, 1)).view(-1)
-        images[earlier] = _blend(images[earlier], ops, factors[earlier])
+        _blend_(images[earlier], ops, factors[earlier])
     return images.index_select(0, by_hue_at.argsort())
 
 
