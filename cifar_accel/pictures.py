@@ -95,7 +95,7 @@ def per_class_figure(per_class: list[dict[str, Any]], title: str) -> Any:
     overall = sum(row["correct"] for row in per_class) / max(1, sum(row["total"] for row in per_class))
     labelled = len(names) <= LABELLED_CLASSES
     fig, ax = plt.subplots(figsize=(8 if labelled else min(24, 2 + len(names) * 0.16), 4), dpi=100)
-    ax.bar(names, accuracies, color="tab:blue")
+    ax.bar(range(len(names)), accuracies, tick_label=names, color="tab:blue")  # by position: names may repeat
     ax.axhline(overall, color="tab:red", linestyle="--", label=f"overall {overall:.4f}")
     for x, accuracy in enumerate(accuracies if labelled else []):
         ax.text(x, accuracy + 0.01, f"{accuracy:.2f}", ha="center", fontsize=8)

@@ -1,11 +1,15 @@
-"""The shipped `evaluate` metrics: F1 over a label set counts every class of it."""
+"""The shipped `evaluate` metrics: F1 over a label set counts every class of it; the per-class figure draws each
+class."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
 from cifar_accel.metrics import classification_report, load_metric
+from cifar_accel.pictures import per_class_figure
 
 # Per class: 0 has 1 true positive of 1 predicted and 2 actual (F1 2/3), 1 has 1 of 2 and 1 (2/3), 2 is exact (1),
 # and class 3 appears in neither list.
@@ -29,3 +33,18 @@ def test_the_evaluation_report_averages_f1_over_all_of_the_models_classes():
     assert report["accuracy"] == 0.75
     assert report["macro_f1"] == pytest.approx((2 / 3 + 2 / 3 + 1 + 0) / 4)
     assert report["per_class"][3] == {"class": "d", "correct": 0, "total": 0, "accuracy": None}
+
+
+def test_the_per_class_figure_draws_one_bar_per_class_in_order_whatever_the_names(caplog):
+    # Class names made from integer labels are digits, which matplotlib takes as categories (and says so in the
+    # log) when they are the bars' x values; and two classes of the same name would share one bar.
+    names = ["1", "0", "1", "10"]
+    accuracies = [0.5, 0.25, 0.75, 1.0]
+    rows = [{"class": n, "accuracy": a, "correct": 1, "total": 2} for n, a in zip(names, accuracies, strict=True)]
+    with caplog.at_level(logging.INFO):
+        ax = per_class_figure(rows, "test accuracy per class").axes[0]
+    bars = sorted(ax.patches, key=lambda bar: bar.get_x())
+    assert [bar.get_x() + bar.get_width() / 2 for bar in bars] == pytest.approx([0, 1, 2, 3])
+    assert [bar.get_height() for bar in bars] == accuracies
+    assert [label.get_text() for label in ax.get_xticklabels()] == names
+    assert not [r for r in caplog.records if r.name.startswith("matplotlib")]
