@@ -66,8 +66,11 @@ def check_dataset_path(dataset_name: str) -> None:
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
 
 
-def load_raw(dataset_name: str, splits: tuple[str, ...] = ("train", "test")) -> datasets.DatasetDict:
-    """``datasets.load_dataset`` with failures turned into one actionable line; ``splits`` must be present."""
+def load_raw(
+    dataset_name: str, splits: tuple[str, ...] = ("train", "test"), split_flag: str | None = None
+) -> datasets.DatasetDict:
+    """``datasets.load_dataset`` with failures turned into one actionable line; ``splits`` must be present (where
+    ``split_flag`` chose them, that flag is the fix named when one is not)."""
     check_dataset_path(dataset_name)
     try:
         raw = datasets.load_dataset(
@@ -81,7 +84,12 @@ def load_raw(dataset_name: str, splits: tuple[str, ...] = ("train", "test")) -> 
         raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
     for split in splits:
         if split not in raw:
-            raise InputError(f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join(raw)})")
+            fix = (
+                f"pick one of them with {split_flag}"
+                if split_flag
+                else f"add a '{split}' split (Hub layout: data/{split}-*.parquet; image folder: {split}/<class>/)"
+            )
+            raise InputError(f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join(raw)}); {fix}")
     return raw
 
 
@@ -299,10 +307,16 @@ def first_rows(dataset: datasets.Dataset, count: int | None) -> datasets.Dataset
 
 
 def load_split(
-    dataset_name: str, split: str, image_column: str | None, label_column: str | None, max_samples: int | None
+    dataset_name: str,
+    split: str,
+    image_column: str | None,
+    label_column: str | None,
+    max_samples: int | None,
+    split_flag: str = "--split",
 ) -> tuple[Split, list[str]]:
-    """One split of a dataset as tensors (for evaluation), with the class names of its label column."""
-    raw = load_raw(dataset_name, splits=(split,))
+    """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
+    is the flag that named the split (evaluate's by default)."""
+    raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag)
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split)

@@ -194,7 +194,12 @@ def main(argv: Sequence[str]) -> None:
         dataset = args.check_dataset or trained.config.dataset_name
         config = trained.config
         split, _ = load_split(
-            dataset, args.check_split, config.image_column_name, config.label_column_name, args.check_samples
+            dataset,
+            args.check_split,
+            config.image_column_name,
+            config.label_column_name,
+            args.check_samples,
+            split_flag="--check_split",
         )
         images = split.images
 

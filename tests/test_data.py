@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.data import load_data
+from cifar_accel.data import load_data, load_split
 from cifar_accel.errors import InputError
 
-from conftest import make_images, write_hub_dataset
+from conftest import good_split, make_images, write_hub_dataset
 
 
 @pytest.fixture(autouse=True)
@@ -111,3 +111,16 @@ def test_an_image_folder_loads_with_folder_names_as_classes(tmp_path):
     assert data.class_names == [f"class_{i}" for i in range(10)]
     assert len(data.train) + len(data.val) == 40 and len(data.test) == 40
     assert sorted(data.test.labels.tolist()) == sorted(labels)
+
+
+def test_a_missing_split_is_named_with_its_fix(tmp_path):
+    root = tmp_path / "train_only"
+    (root / "data").mkdir(parents=True)
+    good_split().to_parquet(root / "data" / "train-00000-of-00001.parquet")
+    # Training needs a test split of the dataset's own; evaluation and the export check name theirs by a flag.
+    with pytest.raises(InputError, match=r"no 'test' split \(splits: train\); add a 'test' split \(Hub layout: "
+                       r"data/test-\*\.parquet; image folder: test/<class>/\)$"):  # fmt: skip
+        load_data(config_for(root))
+    with pytest.raises(InputError, match=r"no 'validation' split \(splits: train\); pick one of them with --split$"):
+        load_split(str(root), "validation", None, None, None)
+    assert len(load_split(str(root), "train", None, None, None)[0]) == 40

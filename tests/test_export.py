@@ -92,6 +92,8 @@ def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, 
         (["--output", "{tmp}/missing/m.onnx"], "does not exist; create it first"),
         (["--check_dataset", "{tmp}/nowhere", "--output", "{tmp}/x.onnx"], "path '{tmp}/nowhere' does not exist"),
         (["--check_samples", "0"], "--check_samples must be at least 1"),
+        (["--check_split", "validation", "--output", "{tmp}/x.onnx"],
+         "no 'validation' split (splits: train, test); pick one of them with --check_split"),
     ],
 )  # fmt: skip
 def test_bad_export_flags_are_refused_before_anything_is_written(cifar100_run, tmp_path, capsys, flags, problem):
