@@ -25,7 +25,7 @@ from accelerate.utils import load as load_pickled
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig, dataset_location
 from cifar_accel.errors import InputError, RunFault, one_line
-from cifar_accel.outputs import CHECKPOINTS_DIR, WEIGHTS_FILE
+from cifar_accel.outputs import CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE
 from cifar_accel.schema import from_json
 from cifar_accel.state import TrainerState, checkpoint_name
 
@@ -265,9 +265,11 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         f"{key}: checkpoint {saved[key]!r}, now {value!r}" for key, value in fingerprint.items() if saved[key] != value
     ]
     if differences:
+        settings = path.parent.parent / CONFIG_FILE  # the effective config of the run that saved the checkpoint
+        original = f": add --config {settings} (flags still override it)" if settings.is_file() else ""
         raise InputError(
             f"checkpoint '{path}' was made with a different config ({'; '.join(differences)}); "
-            "resume with the original settings or start a new --output_dir"
+            f"resume with the original settings{original}, or start a new --output_dir"
         )
     if state.num_processes != num_processes and state.step_in_epoch:
         raise InputError(
