@@ -6,7 +6,8 @@ write a report.
 
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
-an interrupted one is resumed, so a stopped comparison goes on where it was when started again. ``--jobs N``
+an interrupted one is resumed, so a stopped comparison goes on where it was when started again (SIGINT or SIGTERM
+stops the runs in training at a checkpoint and starts no more). ``--jobs N``
 trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The report
 is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It
@@ -22,9 +23,11 @@ import json
 import logging
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import typing
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +38,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, positive_int, run_cli
+from cifar_accel.errors import (
+    ArgumentParser,
+    InputError,
+    RunFault,
+    Stopped,
+    non_empty,
+    one_line,
+    positive_int,
+    run_cli,
+)
 from cifar_accel.outputs import (
     CONFIG_FILE,
     RESULTS_FILE,
@@ -103,9 +115,58 @@ def finished_results(run_dir: Path) -> RunResults | None:
         return None
 
 
-def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path, threads: int | None) -> RunResults:
+class TrainingProcesses:
+    """The comparison's training processes, each started in a process group of its own, so that a stop request
+    (SIGINT, SIGTERM) reaches each of them exactly once, from here: the runs in training stop at their next
+    optimizer step with a checkpoint (a second SIGINT at once, as for any run), and no run starts after it. Use it
+    as a context manager around the runs; it handles the two signals while it is entered."""
+
+    def __init__(self) -> None:
+        self.signal_number = 0
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.RLock()  # taken by the signal handler too, which runs in the main thread
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> TrainingProcesses:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self._previous[number] = signal.signal(number, self.stop)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def stop(self, number: int, frame: object = None) -> None:
+        with self._lock:
+            self.signal_number = number
+            for proc in self._running:
+                proc.send_signal(number)
+
+    def run(self, command: list[str], **kwargs: Any) -> subprocess.CompletedProcess | None:
+        """Run ``command`` to its end, its stderr captured; None where a stop was requested before it started."""
+        with self._lock:
+            if self.signal_number:
+                return None
+            proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+            self._running.add(proc)
+        try:
+            _, stderr = proc.communicate()
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+        return subprocess.CompletedProcess(command, proc.returncode, None, stderr)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal_number
+
+
+def train_run(
+    processes: TrainingProcesses, train_args: list[str], precision: str, seed: int, run_dir: Path, threads: int | None
+) -> RunResults | None:
     """The results of one finished run: reused when present, else trained (or resumed) in a subprocess; with
-    ``threads``, on that many threads and with its output in ``<run_dir>.log``."""
+    ``threads``, on that many threads and with its output in ``<run_dir>.log``. None where a stop request stopped
+    the run or came before it started."""
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
     results = finished_results(run_dir)
@@ -114,17 +175,24 @@ def train_run(train_args: list[str], precision: str, seed: int, run_dir: Path, t
         return results
     if complete_checkpoints(run_dir):
         argv += ["--resume_from_checkpoint", "latest"]  # finishes, extends, or refuses a different config
+    if processes.signal_number:  # the comparison is stopping
+        return None
     command = [sys.executable, "-m", "cifar_accel.train", *argv]
-    logger.info(f"{run_dir.name}: {shlex.join(command)}")
     if threads is None:
-        proc = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+        logger.info(f"{run_dir.name}: {shlex.join(command)}")
+        proc = processes.run(command)
     else:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         with run_dir.with_suffix(".log").open("w") as log:
-            proc = subprocess.run(command, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
-        logger.info(f"{run_dir.name}: finished (its output is in {run_dir.with_suffix('.log')})")
+            logger.info(f"{run_dir.name}: {shlex.join(command)}")
+            proc = processes.run(command, stdout=log, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    lines = proc.stderr.strip().splitlines() if proc else []
+    if proc is None or (processes.signal_number and proc.returncode > 128):  # stopped as asked, with its own line
+        logger.info(f"{run_dir.name}: " + (one_line(lines[-1]) if lines else "not started"))
+        return None
+    if threads is not None:
+        ended = "finished" if proc.returncode == 0 else f"ended with exit code {proc.returncode}"
+        logger.info(f"{run_dir.name}: {ended} (its output is in {log.name})")
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
         reason = lines[-1].removeprefix("error: ") if lines else f"exit code {proc.returncode}"
         error = InputError if proc.returncode == 2 else RunFault
         raise error(f"the {precision} run (seed {seed}) in {run_dir} failed: {one_line(reason)}")
@@ -425,15 +493,24 @@ def compare(
     seeds = list(dict.fromkeys(args.seeds))
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     folders = {(p, seed): output_dir / f"{p}_seed{seed}" for p in precisions for seed in seeds}
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # threads that each wait on one training process
+    # Threads that each wait on one training process.
+    with TrainingProcesses() as processes, ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {
-            key: pool.submit(train_run, train_args, key[0], key[1], folder, threads) for key, folder in folders.items()
+            key: pool.submit(train_run, processes, train_args, key[0], key[1], folder, threads)
+            for key, folder in folders.items()
         }
         try:
             finished = {key: future.result() for key, future in futures.items()}
         except (InputError, RunFault):
             pool.shutdown(cancel_futures=True)  # the runs not started yet; those training finish first
             raise
+    if processes.signal_number:
+        stopped = [folders[key].name for key, results in finished.items() if results is None]
+        raise Stopped(
+            f"stopped by {signal.Signals(processes.signal_number).name}; {len(stopped)} of {len(folders)} runs are "
+            f"not finished ({', '.join(stopped)}); run the same command again to go on",
+            processes.exit_code,
+        )
     summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in seeds}) for p in precisions]
     add_ratios(summaries)
 

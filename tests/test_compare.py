@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
+from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.compare import add_ratios, markdown
 
 from conftest import read_results, run_cli, tiny_args
@@ -159,6 +165,32 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
         "- Some runs trained on other machines, so their times do not compare with the rest: Another CPU ("
         in (out / "report.md").read_text()
     )
+
+
+def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(tiny_dataset, cli_env, tmp_path):
+    """Ctrl-C in a terminal signals the comparison only (its runs train in process groups of their own): it passes
+    the request on to the run in training once, which stops with a checkpoint, and starts no other run. (Starting
+    the same command again resumes it, as test_finished_runs_are_reused_and_an_unfinished_one_is_resumed shows.)"""
+    out = tmp_path / "report"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "8", "--max_train_samples", "150",
+                     "--precisions", "no", "bf16", "--seeds", "42", "--jobs", "1")  # fmt: skip
+    command = [sys.executable, "-m", "cifar_accel.compare", *args]
+    proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not complete_checkpoints(out / "no_seed42"):  # the first run in its second epoch
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, stderr
+    assert stderr == (
+        "stopped by SIGINT; 2 of 2 runs are not finished (no_seed42, bf16_seed42); run the same command again to "
+        "go on\n"
+    )
+    assert re.search(r"no_seed42: stopped by SIGINT after \d+ epochs and ", stdout)  # its line: one SIGINT came
+    assert complete_checkpoints(out / "no_seed42") and not (out / "no_seed42" / "results.json").exists()
+    assert not (out / "bf16_seed42").exists() and not (out / "report.json").exists()
 
 
 def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_path):
