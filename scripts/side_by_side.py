@@ -9,9 +9,11 @@ Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --
 seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
 where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
 folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
-stopped comparison goes on where it was; a pair whose anchor ran another command, or whose preset run has another
-config (precision, data or a training flag), stops the script instead. The table is ``side_by_side.md`` and
-``side_by_side.json``; the CPU and torch it names are those each preset run recorded in its ``results.json``.
+stopped comparison (Ctrl-C stops both scripts) goes on where it was; a pair that did not finish runs again from the
+start, over its preset run, since a pair is timed as a whole. A pair whose anchor ran another command, or whose
+preset run has another config (precision, data or a training flag), stops the script instead. The table is
+``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names are those each preset run recorded in its
+``results.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,11 +53,18 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
 
 def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dict[str, dict[str, float]]:
     """Wait for every process of ``runs``, each timed when it exits (whichever exits first): its wall and CPU
-    seconds (user + system, its children included)."""
+    seconds (user + system, its children included). Ctrl-C stops both (the preset at a checkpoint) and the script."""
     names = {proc.pid: name for name, (proc, _) in runs.items()}
     times = {}
     while names:
-        pid, status, usage = os.wait4(-1, 0)
+        try:
+            pid, status, usage = os.wait4(-1, 0)
+        except KeyboardInterrupt:
+            for pid in names:
+                os.kill(pid, signal.SIGTERM)
+                os.waitpid(pid, 0)
+            print(f"stopped; the pair in {folder} is not finished: the same command runs it again", file=sys.stderr)
+            raise SystemExit(130) from None
         name, code = names.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0:
             sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
@@ -80,7 +90,11 @@ def commands(args: argparse.Namespace, seed: int, flags: list[str]) -> dict[str,
 
 
 def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: Path) -> dict:
+    """Both scripts at the same time; a preset run left by a pair that did not finish is replaced, since the pair
+    is timed as a whole."""
     folder.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists():
+        commands = {**commands, "preset": [*commands["preset"], "--overwrite_output_dir"]}
     runs = {name: start(command, folder / f"{name}.log") for name, command in commands.items()}
     times = finish(runs, folder)
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())

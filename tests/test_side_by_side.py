@@ -5,6 +5,7 @@ pair's; its pair.json is what the script writes after a pair."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ SCALED_DOWN = ["--num_train_epochs", "1", "--per_device_train_batch_size", "32",
                "--per_device_eval_batch_size", "50"]  # fmt: skip
 
 
-def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str):
-    command = [sys.executable, str(SCRIPT), "--anchor", ANCHOR, "--dataset_name", str(dataset),
+def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str, anchor=ANCHOR):
+    command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(dataset),
                "--precision", precision, "--seeds", "0", "--output_dir", str(out), "--", *train_args]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
@@ -99,3 +100,24 @@ def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named
     summary = json.loads((out / "side_by_side.json").read_text())
     assert summary["pairs"] == [pair] and list(summary["machines"].values()) == [[0]]
     assert not (out / "seed0" / "anchor.log").exists()
+
+
+def test_a_pair_that_did_not_finish_runs_again_and_replaces_its_preset_run(
+    finished_pair, tiny_dataset, cli_env, tmp_path
+):
+    """A pair stopped before its pair.json was written left a preset run in its folder; the pair is timed as a
+    whole, so both scripts run again, the preset over its earlier run. A stand-in prints the anchor's result line."""
+    out = tmp_path / "stopped"
+    shutil.copytree(finished_pair[0], out)
+    (out / "seed0" / "pair.json").unlink()
+    earlier = (out / "no_seed0" / "results.json").stat().st_mtime_ns
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text('print("tta_acc 0.9100 plain_acc 0.9000 time 12.5 s")\n')
+
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=anchor)
+    assert proc.returncode == 0, proc.stderr
+    pair = json.loads((out / "seed0" / "pair.json").read_text())
+    assert (pair["anchor"]["tta"], pair["anchor"]["plain"], pair["anchor"]["own_s"]) == (0.91, 0.9, 12.5)
+    assert pair["preset"]["command"][-1] == "--overwrite_output_dir"
+    assert (out / "no_seed0" / "results.json").stat().st_mtime_ns != earlier
+    assert pair["preset"]["tta"] == read_results(out / "no_seed0")["test_accuracy"]
