@@ -3,8 +3,8 @@ taken as SIGPIPE.
 
 While a run is being set up (loading and decoding data, building the model) nothing of it is written yet, so a
 signal stops it at once. Once it writes, a signal is recorded instead and the run stops at the next safe point:
-after the current optimizer step with a checkpoint, or after the final test and export. A second SIGINT stops
-at once.
+after the current optimizer step with a checkpoint, or after the final test and export. The first signal names
+the stop; a second SIGINT stops at once.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class StopRequest:
             )
         if number == signal.SIGINT and self.signal_number == signal.SIGINT:
             raise KeyboardInterrupt
-        self.signal_number = number
+        # The first request names the stop: `accelerate launch` passes a Ctrl-C, which reached the run too, on as
+        # SIGTERM.
+        self.signal_number = self.signal_number or number
 
     def requested(self, accelerator: Accelerator) -> bool:
         """Whether any process was asked to stop, agreed by all processes so they stop at the same step."""

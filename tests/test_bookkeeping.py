@@ -101,10 +101,17 @@ def test_the_epoch_record_is_the_one_source_of_history_tracker_scalars_and_log_l
 
 
 class SignalAtStep5(RunBookkeeper):
+    signals = (signal.SIGTERM,)
+
     def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         super().count_step(loss, grad_norm)
         if self.state.global_step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal: the step in progress completes
+            for number in self.signals:
+                os.kill(os.getpid(), number)  # recorded, not fatal: the step in progress completes
+
+
+class CtrlCUnderTheLauncherAtStep5(SignalAtStep5):
+    signals = (signal.SIGINT, signal.SIGTERM)  # the terminal's SIGINT, then the one `accelerate launch` sends on
 
 
 def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path):
@@ -197,3 +204,13 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(t
     assert resumed.returncode == 0, resumed.stderr
     assert "1 epochs and 3 batches done" in resumed.stdout
     assert read_results(out)["epochs_completed"] == 2 and (out / "model.safetensors").is_file()
+
+
+def test_the_first_of_two_stop_requests_names_the_stop(tmp_path):
+    run = small_run(tmp_path)
+    books = CtrlCUnderTheLauncherAtStep5(run, StopRequest())
+    with books.stop, pytest.raises(Stopped) as stop:
+        books.stop.defer()
+        train_epoch(run, books, epoch=0)
+    assert stop.value.exit_code == 130
+    assert str(stop.value).startswith("stopped by SIGINT after 0 epochs and 5 batches (optimizer step 5); saved ")
