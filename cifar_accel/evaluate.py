@@ -7,6 +7,7 @@ predictions are gathered so that every sample counts exactly once.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -21,10 +22,10 @@ from accelerate import Accelerator
 from cifar_accel.config import Precision, TestTimeAugmentation, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, run_cli
-from cifar_accel.inference import load_model
+from cifar_accel.errors import ArgumentParser, InputError, non_empty, run_cli
+from cifar_accel.inference import TrainedModel, load_model
 from cifar_accel.metrics import classification_report
-from cifar_accel.outputs import save_atomic, write_atomic
+from cifar_accel.outputs import save_atomic, writable_output_dir, write_atomic
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision, warn_if_not_in_effect
@@ -107,10 +108,13 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     datasets.disable_progress_bars()
     trained = load_model(args.model)
+    with writable_output_dir(Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")) as output_dir:
+        evaluate_model(args, trained, output_dir)
+
+
+def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: Path) -> None:
+    """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
     run = trained.config
-    output_dir = Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise InputError(f"--output_dir '{output_dir}' is a file, not a folder; pick another --output_dir")
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
     warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
@@ -140,10 +144,6 @@ def main(argv: Sequence[str]) -> None:
         num_processes=accelerator.num_processes,
     )
     if accelerator.is_main_process:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise RunFault(f"cannot create {output_dir} ({err.strerror}); pick another --output_dir") from None
         write_atomic(output_dir / "metrics.json", json.dumps(report, indent=2))
         title = f"{trained.weights.parent.name}, {args.split}: accuracy {report['accuracy']:.4f}"
         plotted = plot_confusion_matrix(
