@@ -78,10 +78,18 @@ def load_raw(
         )
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:
+        cache = Path(datasets.config.HF_DATASETS_CACHE)
+        if isinstance(err, OSError) and err.filename and cache in (Path(err.filename), *Path(err.filename).parents):
+            raise InputError(
+                f"the datasets cache {cache} is not writable ({err.strerror}); set HF_DATASETS_CACHE (or HF_HOME) "
+                "to a folder you can write to"
+            ) from None
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
-        raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
+        if isinstance(err, (FileNotFoundError, ValueError)):
+            raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
+        raise
     for split in splits:
         if split not in raw:
             fix = (
