@@ -79,7 +79,7 @@ def load_raw(
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
     except (OSError, ValueError) as err:
-        cache = Path(datasets.config.HF_DATASETS_CACHE)
+        cache = Path(datasets.config.HF_DATASETS_CACHE)  # where load_dataset writes its Arrow files and locks
         if isinstance(err, OSError) and err.filename and cache in (Path(err.filename), *Path(err.filename).parents):
             raise InputError(
                 f"the datasets cache {cache} is not writable ({err.strerror}); set HF_DATASETS_CACHE (or HF_HOME) "
@@ -87,9 +87,9 @@ def load_raw(
             ) from None
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
-        if isinstance(err, (FileNotFoundError, ValueError)):
-            raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
-        raise
+        if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+            raise  # a fault of the machine (a full disk, an I/O error), reported as such
+        raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
     for split in splits:
         if split not in raw:
             fix = (
