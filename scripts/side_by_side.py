@@ -53,7 +53,7 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
 
 def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dict[str, dict[str, float]]:
     """Wait for every process of ``runs``, each timed when it exits (whichever exits first): its wall and CPU
-    seconds (user + system, its children included). Ctrl-C stops both (the preset at a checkpoint) and the script."""
+    seconds (user + system, its children included). Ctrl-C stops both, and the script."""
     names = {proc.pid: name for name, (proc, _) in runs.items()}
     times = {}
     while names:
