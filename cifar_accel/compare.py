@@ -470,8 +470,8 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str]) -> None:
     args, train_args = build_parser().parse_known_args(argv)
-    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, level=logging.INFO)
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file reader narrates every file
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):

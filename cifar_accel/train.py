@@ -463,14 +463,13 @@ def main(
     bookkeeper_type: type[RunBookkeeper] = RunBookkeeper,
 ) -> None:
     config, precision_source = load_config(argv)
-    # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract.
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stdout,
-        level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
-    )
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages drown the epochs
+    # Logs and progress go to stdout; stderr is kept for the one-line error of the exit-code contract. The main
+    # process logs the package's own INFO lines; other libraries (Accelerate's per-file checkpoint messages,
+    # matplotlib's notes), and the other processes, only warnings.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for name in ("cifar_accel", __name__):  # __name__ is __main__ under `python -m`
+            logging.getLogger(name).setLevel(logging.INFO)
     datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
     keep_freed_memory()
     run_training(config, precision_source, train_pipeline, bookkeeper_type)

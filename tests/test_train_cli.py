@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -109,11 +110,16 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
 
 
 def test_fp16_on_cpu_warns_once_and_records_fp32(tiny_dataset, cli_env, tmp_path):
+    """Also: the log holds the package's own INFO lines, not other libraries' (matplotlib notes that it builds its
+    font cache, which a fresh MPLCONFIGDIR makes it do)."""
     out = tmp_path / "run"
-    proc = run_cli(tiny_args(tiny_dataset, out, "--mixed_precision", "fp16", "--max_train_samples", "100"), cli_env)
+    env = {**cli_env, "MPLCONFIGDIR": str(tmp_path / "matplotlib")}
+    proc = run_cli(tiny_args(tiny_dataset, out, "--mixed_precision", "fp16", "--max_train_samples", "100"), env)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if "is not available on cpu" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0]
+    info = {found[1] for found in re.finditer(r"^\d\d:\d\d:\d\d INFO (\S+): ", proc.stdout, re.MULTILINE)}
+    assert info and {name.split(".")[0] for name in info} == {"__main__", "cifar_accel"}, info
     results = read_results(out)
     assert results["mixed_precision"] == "no"
     assert results["requested_mixed_precision"] == "fp16"
