@@ -7,6 +7,7 @@ a second run starts in seconds. Training then works on in-memory tensors.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import io
 import logging
@@ -24,7 +25,7 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
-from cifar_accel.errors import InputError, one_line
+from cifar_accel.errors import InputError, RunFault, one_line
 from cifar_accel.progress import progress
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
 
@@ -66,6 +67,28 @@ def check_dataset_path(dataset_name: str) -> None:
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
 
 
+def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault | None:
+    """A failed write to the datasets cache (where load_dataset writes its Arrow files and locks, and decoding its
+    tensors) as one line with its fix; ``work`` says what was being written. None for any other failure."""
+    cause = err
+    while cause is not None and not isinstance(cause, OSError):  # `datasets` wraps it
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunFault(
+            f"{work} in the datasets cache {cache} failed ({cause.strerror}); free space on that disk, or set "
+            "HF_DATASETS_CACHE to a folder on another, then run again"
+        )
+    if cause.filename and cache in (Path(cause.filename), *Path(cause.filename).parents):
+        return InputError(
+            f"the datasets cache {cache} is not writable ({cause.strerror}); set HF_DATASETS_CACHE (or HF_HOME) to "
+            "a folder you can write to"
+        )
+    return None
+
+
 def load_raw(
     dataset_name: str, splits: tuple[str, ...] = ("train", "test"), split_flag: str | None = None
 ) -> datasets.DatasetDict:
@@ -78,17 +101,14 @@ def load_raw(
         )
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
-    except (OSError, ValueError) as err:
-        cache = Path(datasets.config.HF_DATASETS_CACHE)  # where load_dataset writes its Arrow files and locks
-        if isinstance(err, OSError) and err.filename and cache in (Path(err.filename), *Path(err.filename).parents):
-            raise InputError(
-                f"the datasets cache {cache} is not writable ({err.strerror}); set HF_DATASETS_CACHE (or HF_HOME) "
-                "to a folder you can write to"
-            ) from None
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
+        fault = datasets_cache_fault(err, f"preparing dataset '{dataset_name}'")
+        if fault:
+            raise fault from None
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
-        if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
-            raise  # a fault of the machine (a full disk, an I/O error), reported as such
+        if not isinstance(err, (FileNotFoundError, ValueError)):
+            raise  # a fault of the machine (an I/O error), reported as such
         raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
     for split in splits:
         if split not in raw:
@@ -244,17 +264,25 @@ def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str
         }
     )
     progress, start = DecodeProgress(split, len(dataset)), time.perf_counter()
-    decoded = dataset.map(
-        _decode_batch,
-        batched=True,
-        with_indices=True,
-        fn_kwargs={"image_column": image_column, "split": split, "progress": progress},
-        remove_columns=[c for c in dataset.column_names if c != label_column],
-        features=features,
-        # The cache key, given because the progress bar cannot be hashed: the data, what decoding depends on, and
-        # the decoding code itself, so a change to it decodes again.
-        new_fingerprint=Hasher.hash([dataset._fingerprint, image_column, label_column, split, features, DECODER_CODE]),
-    ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64
+    try:
+        decoded = dataset.map(
+            _decode_batch,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"image_column": image_column, "split": split, "progress": progress},
+            remove_columns=[c for c in dataset.column_names if c != label_column],
+            features=features,
+            # The cache key, given because the progress bar cannot be hashed: the data, what decoding depends on,
+            # and the decoding code itself, so a change to it decodes again.
+            new_fingerprint=Hasher.hash(
+                [dataset._fingerprint, image_column, label_column, split, features, DECODER_CODE]
+            ),
+        ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64
+    except OSError as err:
+        fault = datasets_cache_fault(err, f"caching the decoded {split} split")
+        if fault:
+            raise fault from None
+        raise
     progress.bar.close()
     if progress.images:
         seconds = time.perf_counter() - start

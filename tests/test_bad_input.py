@@ -242,3 +242,22 @@ def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder_and_the_fix
     assert error == (f"error: writing the tracker files in {out / 'logs'} failed (No space left on device); free "
                      "space on that disk, then run again")  # fmt: skip
     assert "background thread" in stdout and "No space left on device" in stdout
+
+
+@pytest.mark.parametrize(
+    ("size", "work"),
+    [("200k", "preparing dataset '{data}'"), ("1800k", "caching the decoded train split")],
+    ids=["load_dataset", "decoding"],
+)
+def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, cli_env, tmp_path, size, work):
+    """The datasets cache on a small tmpfs: the tiny dataset's Arrow copy (about 1.2 MB) does not fit in 200 KiB,
+    and its decoded splits (1.4 MB more) do not fit beside it in 1800 KiB. No run folder is left either."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    args = tiny_args(tiny_dataset, tmp_path / "run")
+    error, status, _ = run_on_a_small_disk(cache, size, args, {**cli_env, "HF_DATASETS_CACHE": str(cache)})
+    assert status == "exit=1"
+    assert error == (f"error: {work.format(data=tiny_dataset)} in the datasets cache {cache} failed (No space left on "
+                     "device); free space on that disk, or set HF_DATASETS_CACHE to a folder on another, then run "
+                     "again")  # fmt: skip
+    assert not (tmp_path / "run").exists()
