@@ -235,6 +235,15 @@ def fresh_accelerate_state():
     reset_accelerate_state()
 
 
+@pytest.fixture(autouse=True)
+def fresh_log_levels():
+    """The entry points set the level of the package's loggers for their process (training and compare log INFO);
+    one called in this process must not leave it set for the tests after it."""
+    yield
+    for name in ("cifar_accel", *(n for n in logging.root.manager.loggerDict if n.startswith("cifar_accel."))):
+        logging.getLogger(name).setLevel(logging.NOTSET)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def datasets_cache_of_this_session(tmp_path_factory: pytest.TempPathFactory):
     """Runs in the test process cache decoded data in a folder of the session's own, as subprocesses do."""
