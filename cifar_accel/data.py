@@ -7,7 +7,6 @@ a second run starts in seconds. Training then works on in-memory tensors.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import io
 import logging
@@ -26,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
 from cifar_accel.errors import InputError, RunFault, one_line
+from cifar_accel.outputs import disk_full, fix_for
 from cifar_accel.progress import progress
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
 
@@ -76,9 +76,9 @@ def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault
     if cause is None:
         return None
     cache = Path(datasets.config.HF_DATASETS_CACHE)
-    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(cause):
         return RunFault(
-            f"{work} in the datasets cache {cache} failed ({cause.strerror}); free space on that disk, or set "
+            f"{work} in the datasets cache {cache} failed ({cause.strerror}); {fix_for(cause)}, or set "
             "HF_DATASETS_CACHE to a folder on another, then run again"
         )
     if cause.filename and cache in (Path(cause.filename), *Path(cause.filename).parents):

@@ -102,9 +102,14 @@ def os_error(err: Exception) -> OSError:
     return OSError(code, os.strerror(code))
 
 
+def disk_full(err: OSError) -> bool:
+    """Whether a write failed for want of space: the disk is full, or the user's quota is."""
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def fix_for(err: OSError) -> str:
     """What the user can do about a failed write."""
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(err):
         return "free space on that disk"
     if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return "make that folder writable"
