@@ -3,8 +3,9 @@ and optimizer step, guard against non-finite steps, log step telemetry, save che
 and at an epoch's end record, log and save the epoch.
 
 Whether the run is still finite is noted on the device at every optimizer step and read on the host only before
-a checkpoint, at logged steps and at an epoch's end. With several processes a stop request is agreed across
-them at those same points, so no step waits for the device or for the other processes for it.
+a checkpoint, at logged steps and at an epoch's end, where the model's weights and buffers are checked too. With
+several processes a stop request is agreed across them at those same points, so no step waits for the device or
+for the other processes for it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,26 @@ class NonFiniteGuard:
                 f"optimizer step {int(step)}; the run stops here rather than train on NaN weights; "
                 + _what_to_do(last_checkpoint, "a lower --learning_rate or --max_grad_norm 1")
             )
+
+
+def check_finite_model(
+    accelerator: Accelerator, model: torch.nn.Module, state: TrainerState, last_checkpoint: Path | None
+) -> None:
+    """Stop a run whose model's weights or buffers (BatchNorm's running statistics) hold NaN or infinity on any
+    process. Activations can overflow while the loss stays finite (a huge learning rate), and an update can break
+    the weights after the last loss was measured: the loss and gradient checks see neither."""
+    broken = [
+        name
+        for name, value in accelerator.unwrap_model(model).state_dict().items()
+        if value.is_floating_point() and not value.isfinite().all()
+    ]
+    if accelerator.reduce(torch.tensor(len(broken), device=accelerator.device), reduction="sum").item():
+        named = ", ".join(broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
+        raise RunFault(
+            f"non-finite values in the model's {named or 'state on another process'} at epoch {state.epoch + 1}, "
+            f"optimizer step {state.global_step}, though the loss was finite; the run stops here rather than save "
+            "them; " + _what_to_do(last_checkpoint, "a lower --learning_rate")
+        )
 
 
 def _what_to_do(last_checkpoint: Path | None, new_run: str) -> str:
@@ -208,6 +229,7 @@ class RunBookkeeper:
     def check_finite(self) -> None:
         if self.guard is not None:
             self.guard.check(self.state, self.last_checkpoint)
+        check_finite_model(self.run.accelerator, self.run.model, self.state, self.last_checkpoint)
 
     def save(self) -> Path:
         self.check_finite()

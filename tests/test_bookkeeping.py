@@ -206,6 +206,36 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(t
     assert read_results(out)["epochs_completed"] == 2 and (out / "model.safetensors").is_file()
 
 
+class InfStatisticsAfterStep5(RunBookkeeper):
+    """Sets the first BatchNorm's running variance to infinity after optimizer step 5, as overflowing activations
+    do: training normalises with each batch's own statistics, so the loss and gradients stay finite."""
+
+    def save_or_stop(self) -> None:
+        super().save_or_stop()
+        if self.state.global_step == 5:
+            norm = next(m for m in self.run.model.modules() if isinstance(m, nn.BatchNorm2d))
+            norm.running_var.fill_(float("inf"))
+
+
+def test_non_finite_weights_or_statistics_behind_a_finite_loss_stop_the_run_before_a_save(
+    tiny_dataset, train_here, tmp_path
+):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--checkpointing_steps", "4")
+    proc = train_here(args, bookkeeper_type=InfStatisticsAfterStep5)  # 9 steps: saves due at 4 and 8
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: non-finite values in the model's features.0.1.running_var at epoch 1, optimizer step 8, though "
+        "the loss was finite; the run stops here rather than save them; resume from the newest checkpoint, "
+        f"{out / 'checkpoints' / 'step_00000004'} ("
+    )
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000004"]
+    assert not (out / "results.json").exists()
+    resumed = train_here([*args, "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr
+
+
 def test_the_first_of_two_stop_requests_names_the_stop(tmp_path):
     run = small_run(tmp_path)
     books = CtrlCUnderTheLauncherAtStep5(run, StopRequest())
