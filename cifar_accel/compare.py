@@ -52,6 +52,8 @@ from cifar_accel.outputs import (
     CONFIG_FILE,
     RESULTS_FILE,
     OutputDirLock,
+    json_keys,
+    refuse_foreign_files,
     save_atomic,
     writable_output_dir,
     write_atomic,
@@ -64,6 +66,7 @@ from cifar_accel.trackers import tensorboard_dir
 logger = logging.getLogger("cifar_accel.compare")
 
 PRECISIONS = typing.get_args(Precision)
+REPORT_FILES = ("report.json", "report.md", "curves.png", "cost.png", "loss_scale.png")  # what the report writes
 
 
 def build_parser() -> ArgumentParser:
@@ -475,6 +478,8 @@ def main(argv: Sequence[str]) -> None:
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
+        ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report
+        refuse_foreign_files(output_dir, REPORT_FILES, "compare", ours)
         compare(args, argv, train_args, config, output_dir)
 
 

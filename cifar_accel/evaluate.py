@@ -25,10 +25,12 @@ from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, run_cli
 from cifar_accel.inference import TrainedModel, load_model
 from cifar_accel.metrics import classification_report
-from cifar_accel.outputs import save_atomic, writable_output_dir, write_atomic
+from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, writable_output_dir, write_atomic
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision, warn_if_not_in_effect
+
+METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
 
 
 def build_parser() -> ArgumentParser:
@@ -109,6 +111,8 @@ def main(argv: Sequence[str]) -> None:
     datasets.disable_progress_bars()
     trained = load_model(args.model)
     with writable_output_dir(Path(args.output_dir or trained.weights.parent / f"eval_{args.split}")) as output_dir:
+        ours = "confusion_matrix" in json_keys(output_dir / METRICS_FILE)  # an earlier evaluation's
+        refuse_foreign_files(output_dir, (METRICS_FILE, CONFUSION_FILE), "evaluate", ours)
         evaluate_model(args, trained, output_dir)
 
 
@@ -144,14 +148,14 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
         num_processes=accelerator.num_processes,
     )
     if accelerator.is_main_process:
-        write_atomic(output_dir / "metrics.json", json.dumps(report, indent=2))
+        write_atomic(output_dir / METRICS_FILE, json.dumps(report, indent=2))
         title = f"{trained.weights.parent.name}, {args.split}: accuracy {report['accuracy']:.4f}"
         plotted = plot_confusion_matrix(
-            report["confusion_matrix"], trained.class_names, title, output_dir / "confusion_matrix.png"
+            report["confusion_matrix"], trained.class_names, title, output_dir / CONFUSION_FILE
         )
         print(format_report(report, trained.class_names))
-        print(f"wrote {output_dir / 'metrics.json'}")
-        print(f"wrote {output_dir / 'confusion_matrix.png'}" if plotted else MISSING)
+        print(f"wrote {output_dir / METRICS_FILE}")
+        print(f"wrote {output_dir / CONFUSION_FILE}" if plotted else MISSING)
 
 
 def cli() -> None:

@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,7 +56,30 @@ def is_model_card(path: Path) -> bool:
 def is_run_config(path: Path) -> bool:
     """Whether ``path`` is a config.yaml a training run wrote: it starts with ``CONFIG_HEADER`` (or, written before
     the header was, it has the run's labels.json beside it)."""
-    return _starts_with(path, CONFIG_HEADER, len(CONFIG_HEADER)) or (path.parent / LABELS_FILE).is_file()
+    return path.is_file() and (
+        _starts_with(path, CONFIG_HEADER, len(CONFIG_HEADER)) or (path.parent / LABELS_FILE).is_file()
+    )
+
+
+def json_keys(path: Path) -> set[str]:
+    """The top-level keys of the JSON object in ``path``; none if it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(value) if isinstance(value, dict) else set()
+
+
+def refuse_foreign_files(folder: Path, names: Iterable[str], writer: str, ours: bool) -> None:
+    """Refuse ``folder`` if it holds any of ``names``, the files ``writer`` writes there, and they are not the
+    output of an earlier ``writer`` (``ours``): a user's own labels.json or metrics.json is never written over."""
+    found = [f"{name}/" if (folder / name).is_dir() else name for name in names if (folder / name).exists()]
+    if found and not ours:
+        listing = " and ".join([", ".join(found[:-1]), found[-1]] if len(found) > 1 else found)
+        raise InputError(
+            f"'{folder}' already holds {listing}, which {writer} writes but did not write there; move "
+            f"{'it' if len(found) == 1 else 'them'}, or pick another --output_dir"
+        )
 
 
 def _starts_with(path: Path, mark: str, size: int) -> bool:
@@ -259,7 +282,8 @@ def set_aside_note(folder: Path) -> str:
 
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
     """Refuse a folder that holds another run's results, unless told to resume or replace it; a folder with a run
-    set aside, unless told to replace it; and a config.yaml that is the user's, not a run's."""
+    set aside, unless told to replace it; and a config.yaml, or any other file a run writes, that is the user's,
+    not a run's."""
     aside = output_dir / REPLACED_RUN
     replacing = config.overwrite_output_dir and config.resume_from_checkpoint is None
     if aside.exists() and holds_run(output_dir):
@@ -284,6 +308,8 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
             f"'{config_file}' is not a config a run wrote, and a run writes its effective config there; move it, or "
             "pick another --output_dir"
         )
+    ours = holds_run(output_dir) or is_run_config(config_file) or aside.exists()
+    refuse_foreign_files(output_dir, RUN_FILES, "a training run", ours)
 
 
 @contextmanager

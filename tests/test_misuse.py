@@ -156,15 +156,36 @@ def test_a_run_beside_a_set_aside_run_is_never_deleted(earlier_run, finished_run
     assert snapshot(earlier_run) == before
 
 
-def test_overwrite_into_a_folder_without_a_run_moves_nothing_of_the_users(tiny_dataset, train_here, tmp_path):
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite_output_dir"]])
+def test_files_of_the_users_with_the_names_a_run_writes_are_refused_and_kept(
+    overwrite, tiny_dataset, train_here, tmp_path
+):
+    """A run would write over a labels.json or curves.png of the user's, and add its logs to theirs (which a later
+    --overwrite_output_dir run would then set aside and delete with its own)."""
     out = tmp_path / "project"
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "mine.log").write_text("a log of the user's")
+    (out / "labels.json").write_text("my labels")
+    (out / "curves.png").write_bytes(b"my plot")
+    before = snapshot(out)
+    proc = train_here(tiny_args(tiny_dataset, out, *overwrite))
+    assert proc.returncode == 2
+    assert one_error_line(proc) == (
+        f"error: '{out}' already holds logs/, labels.json and curves.png, which a training run writes but did not "
+        "write there; move them, or pick another --output_dir"
+    )
+    assert snapshot(out) == before
+
+
+def test_a_folder_with_other_files_of_the_users_takes_a_run_beside_them(tiny_dataset, train_here, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
     (out / ".env").write_text("SECRET=1")
+    (out / "README.md").write_text("# my project\n")
     proc = train_here(tiny_args(tiny_dataset, out, "--overwrite_output_dir"))
     assert proc.returncode == 0, proc.stderr
-    assert (out / "logs" / "mine.log").read_text() == "a log of the user's" and (out / ".env").is_file()
-    assert not (out / REPLACED_RUN).exists()
+    assert (out / ".env").read_text() == "SECRET=1" and (out / "README.md").read_text() == "# my project\n"
+    assert (out / "model.safetensors").is_file() and not (out / REPLACED_RUN).exists()
 
 
 def test_a_config_yaml_of_the_users_in_the_output_folder_is_refused_and_kept(tiny_dataset, train_here, tmp_path):
@@ -413,6 +434,35 @@ def test_readers_treat_a_damaged_file_as_unfinished_or_refuse_it(finished_run, t
                                    "validation"]) == 2  # fmt: skip
     assert "no 'validation' split (splits: train, test); pick one of them with --split" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_evaluate_and_compare_keep_the_users_files_of_their_names_and_replace_their_own(
+    finished_run, tiny_dataset, tmp_path, capsys
+):
+    """A metrics.json of the user's (a DVC project's, say) or their report.md is refused; an earlier evaluation's
+    metrics.json is replaced."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "metrics.json").write_text('{"accuracy": 0.99}')
+    evaluation = ["--model", str(finished_run), "--output_dir", str(folder), "--max_eval_samples", "20"]
+    assert run_cli(evaluate.main, evaluation) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: '{folder}' already holds metrics.json, which evaluate writes but did not write there; move it, or "
+        "pick another --output_dir"
+    )
+    assert (folder / "metrics.json").read_text() == '{"accuracy": 0.99}'
+    (folder / "metrics.json").unlink()
+    assert run_cli(evaluate.main, evaluation) == 0
+    assert run_cli(evaluate.main, evaluation) == 0  # its own earlier report is replaced
+    assert json.loads((folder / "metrics.json").read_text())["split"] == "test"
+
+    (folder / "report.md").write_text("# my notes\n")
+    assert run_cli(compare.main, ["--output_dir", str(folder), "--dataset_name", str(tiny_dataset)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: '{folder}' already holds report.md, which compare writes but did not write there; move it, or pick "
+        "another --output_dir"
+    )
+    assert (folder / "report.md").read_text() == "# my notes\n"
 
 
 # 5. Config files are data, within limits.
