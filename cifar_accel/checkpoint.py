@@ -279,6 +279,19 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         )
 
 
+def check_resumed_epochs(path: Path, state: TrainerState, num_train_epochs: int) -> None:
+    """Refuse --num_train_epochs below the epochs a checkpoint has trained (or started): the run cannot go back,
+    and its config.yaml would record fewer epochs than its results."""
+    started = state.epoch + (1 if state.step_in_epoch else 0)
+    if num_train_epochs < started:
+        done = f"{state.epoch} epochs" + (f" and {state.step_in_epoch} batches" if state.step_in_epoch else "")
+        raise InputError(
+            f"checkpoint '{path}' has trained {done}, more than --num_train_epochs {num_train_epochs}; resume with "
+            f"--num_train_epochs {started} or more, or evaluate the run as it is with 'python -m cifar_accel.evaluate "
+            f"--model {path}'"
+        )
+
+
 def load_checkpoint(
     accelerator: Accelerator, path: Path, state: TrainerState, ema: WeightAverage | None = None
 ) -> None:

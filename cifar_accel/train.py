@@ -26,6 +26,7 @@ from cifar_accel.card import write_model_card
 from cifar_accel.checkpoint import (
     adopt_best_checkpoint,
     check_resume,
+    check_resumed_epochs,
     checkpoint_dir,
     config_fingerprint,
     load_checkpoint,
@@ -158,6 +159,7 @@ def set_up_run(
     if config.resume_from_checkpoint:
         resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
         check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
+        check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
 
     data, global_batch, learning_rate = load_run_data(config, accelerator)
     eval_transform = BatchTransform(data.normalization, channels_last=config.channels_last)

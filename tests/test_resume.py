@@ -150,6 +150,18 @@ def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, train_her
     results = read_results(out)
     assert results["epochs_completed"] == 2 and results["history"][0] == first["history"][0]
 
+    # Fewer epochs than it has trained cannot be resumed: its config.yaml would record fewer than its results.
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fewer = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--resume_from_checkpoint", "latest")
+    proc = train_here(fewer)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith(
+        "has trained 2 epochs, more than --num_train_epochs 1; resume with --num_train_epochs 2 or more, or evaluate "
+        "the run as it is with 'python -m cifar_accel.evaluate --model " + str(complete_checkpoints(out)[-1]) + "'"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
 
 def test_a_finished_cosine_run_is_not_extended_and_is_left_as_it_was(tiny_dataset, train_here, tmp_path):
     """The cosine's period is the first run's epochs; more epochs would run the learning rate back up."""
