@@ -436,6 +436,18 @@ def test_readers_treat_a_damaged_file_as_unfinished_or_refuse_it(finished_run, t
     assert not (tmp_path / "new").exists()
 
 
+def test_evaluating_a_checkpoint_writes_beside_it_not_into_it(finished_run, tmp_path):
+    """A checkpoint folder goes when newer checkpoints replace it, and its evaluation would go with it."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    checkpoint = complete_checkpoints(run)[-1]
+    before = snapshot(checkpoint)
+    assert run_cli(evaluate.main, ["--model", str(checkpoint), "--max_eval_samples", "20"]) == 0
+    assert snapshot(checkpoint) == before
+    assert json.loads((run / f"eval_test_{checkpoint.name}" / "metrics.json").read_text())["model"] == str(
+        checkpoint / "model.safetensors"
+    )
+
+
 def test_evaluate_and_compare_keep_the_users_files_of_their_names_and_replace_their_own(
     finished_run, tiny_dataset, tmp_path, capsys
 ):
