@@ -19,12 +19,11 @@ from typing import Any
 import datasets
 from accelerate import Accelerator
 
-from cifar_accel.checkpoint import STATE_FILE
 from cifar_accel.config import Precision, TestTimeAugmentation, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, run_cli
-from cifar_accel.inference import TrainedModel, find_run_dir, load_model
+from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, writable_output_dir, write_atomic
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
@@ -114,18 +113,12 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     datasets.disable_progress_bars()
     trained = load_model(args.model)
-    with writable_output_dir(Path(args.output_dir or default_output_dir(trained.weights, args.split))) as output_dir:
+    with writable_output_dir(
+        Path(args.output_dir or output_beside(trained.weights, f"eval_{args.split}"))
+    ) as output_dir:
         ours = "confusion_matrix" in json_keys(output_dir / METRICS_FILE)  # an earlier evaluation's
         refuse_foreign_files(output_dir, (METRICS_FILE, CONFUSION_FILE), "evaluate", ours)
         evaluate_model(args, trained, output_dir)
-
-
-def default_output_dir(weights: Path, split: str) -> Path:
-    """``eval_<split>`` beside the weights; for a checkpoint's, ``eval_<split>_<checkpoint>`` in its run folder,
-    since a checkpoint folder goes when newer checkpoints replace it."""
-    if (weights.parent / STATE_FILE).is_file():
-        return find_run_dir(weights) / f"eval_{split}_{weights.parent.name}"
-    return weights.parent / f"eval_{split}"
 
 
 def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: Path) -> None:

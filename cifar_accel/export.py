@@ -31,7 +31,7 @@ from torch import nn
 from cifar_accel.card import write_model_card
 from cifar_accel.data import load_split
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
-from cifar_accel.inference import TrainedModel, load_model
+from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, save_atomic, write_atomic
 from cifar_accel.state import read_results
 from cifar_accel.transforms import Normalization
@@ -152,7 +152,10 @@ def build_parser() -> ArgumentParser:
         help="What the exported model takes: uint8 pixels (default) or float32 pixels in [0, 1].",
     )
     parser.add_argument(
-        "--output", type=non_empty, help="Where to write it; default: model.onnx or model.pt2 beside the weights."
+        "--output",
+        type=non_empty,
+        help="Where to write it; default: model.onnx or model.pt2 beside the weights (a checkpoint's: "
+        "model_<checkpoint>.onnx in its run folder).",
     )
     parser.add_argument(
         "--check_dataset", type=non_empty, help="The dataset whose images check the export (default: the run's own)."
@@ -181,7 +184,7 @@ def main(argv: Sequence[str]) -> None:
     if args.format == "onnx":
         require_onnx()
     trained = load_model(args.model)
-    path = Path(args.output) if args.output else trained.weights.with_name(EXPORT_FILES[args.format])
+    path = Path(args.output) if args.output else output_beside(trained.weights, EXPORT_FILES[args.format])
     suffix = Path(EXPORT_FILES[args.format]).suffix
     if path.suffix != suffix:
         raise InputError(f"--output '{path}' must end in {suffix} for --format {args.format}")

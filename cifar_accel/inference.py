@@ -101,6 +101,20 @@ def find_run_dir(weights: Path) -> Path:
     )
 
 
+def in_checkpoint(weights: Path) -> bool:
+    return weights.name == WEIGHTS_FILE and (weights.parent / STATE_FILE).is_file()
+
+
+def output_beside(weights: Path, name: str) -> Path:
+    """Where an output called ``name`` (a file or folder) of ``weights`` goes by default: beside them, or for a
+    checkpoint's, in its run folder with the checkpoint's name added, since a checkpoint folder is deleted when
+    newer checkpoints replace it (``eval_test`` -> ``<run>/eval_test_step_00000016``)."""
+    if not in_checkpoint(weights):
+        return weights.parent / name
+    path = Path(name)
+    return find_run_dir(weights) / f"{path.stem}_{weights.parent.name}{path.suffix}"
+
+
 def read_class_names(path: Path) -> list[str]:
     """The class names a run wrote to labels.json; a damaged file is refused in one line."""
     try:
@@ -149,9 +163,8 @@ def load_model(path: str | Path) -> TrainedModel:
     model = build_model(config.model_name, num_classes=len(class_names))
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)
-    in_checkpoint = weights.name == WEIGHTS_FILE and (weights.parent / STATE_FILE).is_file()
     try:
-        state = validated_weights(weights.parent) if in_checkpoint else safetensors.torch.load_file(weights)
+        state = validated_weights(weights.parent) if in_checkpoint(weights) else safetensors.torch.load_file(weights)
         model.load_state_dict(state)
     except (SafetensorError, RuntimeError, OSError) as err:
         raise InputError(

@@ -13,6 +13,7 @@ import onnxruntime
 import pytest
 import torch
 
+from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.data import load_split
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.export import check_export
@@ -75,6 +76,19 @@ def test_an_export_beside_a_readme_of_the_users_keeps_it_and_lists_nothing_in_it
     assert (run / "model.pt2").is_file() and (run / "model.pt2.json").is_file()
     assert (run / "README.md").read_text() == "# my notes\n"
     assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
+
+
+def test_a_checkpoints_export_goes_beside_the_checkpoint_not_into_it(cifar100_run, tmp_path):
+    """A checkpoint folder is deleted when newer checkpoints replace it, and an export inside would go with it."""
+    run = shutil.copytree(cifar100_run, tmp_path / "run")
+    checkpoint = complete_checkpoints(run)[-1]
+    inside, card = sorted(p.name for p in checkpoint.iterdir()), (run / "README.md").read_text()
+    assert run_main(export_main, ["--model", str(checkpoint), "--format", "pt2", "--skip_check"]) == 0
+    exported = run / f"model_{checkpoint.name}.pt2"
+    assert json.loads(exported.with_name(exported.name + ".json").read_text())["weights"]["file"] == str(
+        checkpoint / "model.safetensors"
+    )
+    assert sorted(p.name for p in checkpoint.iterdir()) == inside and (run / "README.md").read_text() == card
 
 
 def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, monkeypatch):
