@@ -62,9 +62,14 @@ class CifarData:
 
 
 def check_dataset_path(dataset_name: str) -> None:
-    """Refuse a local dataset path that does not exist, before any work starts."""
+    """Refuse a local dataset path that does not exist or is a file, before any work starts."""
     if looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
         raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
+    if looks_like_path(dataset_name) and Path(dataset_name).expanduser().is_file():
+        raise InputError(
+            f"dataset path '{dataset_name}' is a file; pass the dataset's folder (Hub layout: data/train-*.parquet; "
+            "image folder: train/<class>/)"
+        )
 
 
 def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault | None:
@@ -81,7 +86,8 @@ def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault
             f"{work} in the datasets cache {cache} failed ({cause.strerror}); {fix_for(cause)}, or set "
             "HF_DATASETS_CACHE to a folder on another, then run again"
         )
-    if cause.filename and cache in (Path(cause.filename), *Path(cause.filename).parents):
+    failed = Path(cause.filename) if cause.filename else None
+    if failed and (failed in (cache, *cache.parents) or cache in failed.parents):  # making it, or writing in it
         return InputError(
             f"the datasets cache {cache} is not writable ({cause.strerror}); set HF_DATASETS_CACHE (or HF_HOME) to "
             "a folder you can write to"

@@ -56,6 +56,12 @@ def bad_yaml(root: Path) -> Path:
     return root / "bad.yaml"
 
 
+def one_parquet_file(root: Path) -> Path:
+    """A dataset's file, passed where its folder belongs."""
+    write_split_files(root, good_split(), good_split())
+    return next(root.glob("data/train-*.parquet"))
+
+
 def unknown_key_yaml(root: Path) -> Path:
     root.mkdir()
     (root / "c.yaml").write_text("num_epochs: 3\n")
@@ -81,6 +87,7 @@ CASES = [
     ("yaml-does-not-parse", ["--config", "{made}"], 2, ["not valid YAML", "at line 2"]),
     ("config-file-missing", ["--config", "/nonexistent/c.yaml"], 2, ["cannot read config file"]),
     ("dataset-missing", ["--dataset_name", "/nonexistent/cifar"], 2, ["does not exist", "--dataset_name"]),
+    ("dataset-is-a-file", ["--dataset_name", "{made}"], 2, ["train-", "is a file; pass the dataset's folder"]),
     ("no-label-column", ["--dataset_name", "{made}"], 2, ["label column 'label' not found", "--label_column_name"]),
     ("no-image-column", ["--dataset_name", "{made}"], 2, ["no image column", "--image_column_name"]),
     ("wrong-image-column", ["--dataset_name", "{data}", "--image_column_name", "picture"], 2,
@@ -104,6 +111,7 @@ CASES = [
     ("ns-dtype-unknown", ["--muon_ns_dtype", "float16"], 2, ["muon_ns_dtype", "invalid choice"]),
 ]  # fmt: skip
 MAKERS = {
+    "dataset-is-a-file": one_parquet_file,
     "unknown-key": unknown_key_yaml,
     "yaml-does-not-parse": bad_yaml,
     "no-label-column": no_label_column,

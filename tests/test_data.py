@@ -126,12 +126,13 @@ def test_a_missing_split_is_named_with_its_fix(tmp_path):
     assert len(load_split(str(root), "train", None, None, None)[0]) == 40
 
 
-def test_a_datasets_cache_that_cannot_be_written_is_named_with_its_fix(tmp_path, monkeypatch):
+@pytest.mark.parametrize("below", ["cache", "deeper/cache"])  # the cache, or a folder above it, cannot be made
+def test_a_datasets_cache_that_cannot_be_written_is_named_with_its_fix(tmp_path, monkeypatch, below):
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "a_file" / "cache")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "a_file" / below)
     with pytest.raises(InputError) as refused:
         load_data(config_for(write_hub_dataset(tmp_path / "ds", 20, 10)))
     assert str(refused.value) == (
-        f"the datasets cache {tmp_path / 'a_file' / 'cache'} is not writable (Not a directory); set "
+        f"the datasets cache {tmp_path / 'a_file' / below} is not writable (Not a directory); set "
         "HF_DATASETS_CACHE (or HF_HOME) to a folder you can write to"
     )
