@@ -70,10 +70,16 @@ def json_keys(path: Path) -> set[str]:
     return set(value) if isinstance(value, dict) else set()
 
 
+def _holds_something(path: Path) -> bool:
+    """Whether ``path`` is a file, or a folder with something in it (an empty one, a mount point made for the run's
+    logs say, holds nothing to write over)."""
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
 def refuse_foreign_files(folder: Path, names: Iterable[str], writer: str, ours: bool) -> None:
     """Refuse ``folder`` if it holds any of ``names``, the files ``writer`` writes there, and they are not the
     output of an earlier ``writer`` (``ours``): a user's own labels.json or metrics.json is never written over."""
-    found = [f"{name}/" if (folder / name).is_dir() else name for name in names if (folder / name).exists()]
+    found = [f"{name}/" if (folder / name).is_dir() else name for name in names if _holds_something(folder / name)]
     if found and not ours:
         listing = " and ".join([", ".join(found[:-1]), found[-1]] if len(found) > 1 else found)
         raise InputError(
