@@ -255,14 +255,18 @@ def validated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], num_processes: int) -> None:
     """Refuse a checkpoint made with another config (see ``config_fingerprint``), or saved mid-epoch by another
-    number of processes."""
+    number of processes. A checkpoint that records its data's signature is checked by that once the data is
+    loaded (``check_resumed_data``), not by where the dataset was, so a moved copy resumes."""
     # A field added after the checkpoint was written ran with its default there.
     saved = {
         key: state.config_fingerprint.get(key, FIELDS[key].default if key in FIELDS else None) for key in fingerprint
     }
     saved["dataset_name"] = dataset_location(saved["dataset_name"])  # recorded as typed before it was made absolute
+    where = {"dataset_name"} if state.data_signature else set()
     differences = [
-        f"{key}: checkpoint {saved[key]!r}, now {value!r}" for key, value in fingerprint.items() if saved[key] != value
+        f"{key}: checkpoint {saved[key]!r}, now {value!r}"
+        for key, value in fingerprint.items()
+        if saved[key] != value and key not in where
     ]
     if differences:
         settings = path.parent.parent / CONFIG_FILE  # the effective config of the run that saved the checkpoint
@@ -276,6 +280,16 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
             f"checkpoint '{path}' was saved mid-epoch by {state.num_processes} processes and cannot continue that "
             f"epoch with {num_processes}; resume it with {state.num_processes} processes, or resume an "
             "epoch-end checkpoint"
+        )
+
+
+def check_resumed_data(path: Path, state: TrainerState, signature: str, dataset_name: str) -> None:
+    """Refuse data other than the checkpoint's: other images, labels, classes or split (a checkpoint without a
+    signature was checked by the dataset's path)."""
+    if state.data_signature not in (None, signature):
+        raise InputError(
+            f"checkpoint '{path}' was trained on other data than '{dataset_name}' holds now (its images, labels or "
+            "classes differ); resume with the dataset it was trained on, or start a new --output_dir"
         )
 
 

@@ -7,8 +7,10 @@ a second run starts in seconds. Training then works on in-memory tensors.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import io
+import json
 import logging
 import math
 import time
@@ -59,6 +61,16 @@ class CifarData:
     normalization: Normalization
     image_column: str
     label_column: str
+
+
+def data_signature(data: CifarData) -> str:
+    """SHA-256 of the class names and of every image and label a run trains, validates and tests on: what a
+    resume checks the data by, wherever the dataset lies now (about 0.1 s for CIFAR-10)."""
+    digest = hashlib.sha256(json.dumps(data.class_names).encode())
+    for split in (data.train, data.val, data.test):
+        for tensor in (split.images, split.labels):
+            digest.update(tensor.contiguous().numpy())
+    return digest.hexdigest()
 
 
 def check_dataset_path(dataset_name: str) -> None:

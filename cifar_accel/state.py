@@ -78,6 +78,7 @@ class TrainerState:
     epochs_without_improvement: int = field(default=0, metadata=COUNT)
     history: list[EpochRecord] = field(default_factory=list)
     config_fingerprint: dict[str, Any] = field(default_factory=dict)
+    data_signature: str | None = None  # data.data_signature of the run's data; None in older checkpoints
     num_processes: int = field(default=1, metadata=bounds(ge=1, le=MAX_COUNT))  # of the run that wrote it
     skipped_steps: int = field(default=0, metadata=COUNT)  # optimizer steps the GradScaler skipped (fp16)
     skipped_steps_in_a_row: int = field(default=0, metadata=COUNT)

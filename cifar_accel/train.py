@@ -26,6 +26,7 @@ from cifar_accel.card import write_model_card
 from cifar_accel.checkpoint import (
     adopt_best_checkpoint,
     check_resume,
+    check_resumed_data,
     check_resumed_epochs,
     checkpoint_dir,
     config_fingerprint,
@@ -34,8 +35,8 @@ from cifar_accel.checkpoint import (
     resolve_checkpoint,
     validated_weights,
 )
-from cifar_accel.config import TrainConfig, config_yaml, load_config
-from cifar_accel.data import CifarData, Split, check_dataset_path, load_data, make_loader
+from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_config
+from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
 from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
 from cifar_accel.hub import check_hub_settings, push_to_hub
@@ -162,6 +163,13 @@ def set_up_run(
         check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
 
     data, global_batch, learning_rate = load_run_data(config, accelerator)
+    signature = data_signature(data)
+    if resumed is not None:
+        check_resumed_data(resume_path, resumed, signature, config.dataset_name)
+        resumed.data_signature = signature  # for a checkpoint written before signatures were
+        trained_on = dataset_location(resumed.config_fingerprint.get("dataset_name", config.dataset_name))
+        if trained_on != config.dataset_name:
+            logger.info(f"the dataset is at {config.dataset_name} now, the same images and labels as at {trained_on}")
     eval_transform = BatchTransform(data.normalization, channels_last=config.channels_last)
     model = build_run_model(config, data, eval_transform)
     base_optimizer = build_optimizer(config, model, learning_rate)
@@ -196,7 +204,9 @@ def set_up_run(
         eval_transform=eval_transform,
         metric=load_metric("accuracy"),
         precision={},
-        state=TrainerState(config_fingerprint=fingerprint, num_processes=accelerator.num_processes),
+        state=TrainerState(
+            config_fingerprint=fingerprint, data_signature=signature, num_processes=accelerator.num_processes
+        ),
         last_checkpoint=None,
         global_batch_size=global_batch,
         learning_rate=learning_rate,

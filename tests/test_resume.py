@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,16 @@ from cifar_accel.checkpoint import (
     save_checkpoint,
 )
 
-from conftest import assert_same_run, crashed_copy, read_results, run_cli, tiny_args, train_in_process
+from conftest import (
+    assert_same_run,
+    crashed_copy,
+    good_split,
+    read_results,
+    run_cli,
+    tiny_args,
+    train_in_process,
+    write_split_files,
+)
 
 
 def run_args(dataset: Path, out: Path, precision: str, *extra: str) -> list[str]:
@@ -159,6 +169,35 @@ def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, train_her
     assert line.endswith(
         "has trained 2 epochs, more than --num_train_epochs 1; resume with --num_train_epochs 2 or more, or evaluate "
         "the run as it is with 'python -m cifar_accel.evaluate --model " + str(complete_checkpoints(out)[-1]) + "'"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_moved_dataset_resumes_and_other_data_at_its_path_is_refused(tiny_dataset, train_here, tmp_path):
+    """A checkpoint knows its data by the images and labels (their SHA-256), not by where the dataset was: a job
+    that stages the data to a new folder each time resumes, and data changed in place does not."""
+    first, moved = tmp_path / "data_here", tmp_path / "data_there"
+    shutil.copytree(tiny_dataset, first)
+    out = tmp_path / "run"
+    assert train_here(tiny_args(first, out, "--max_train_samples", "100")).returncode == 0
+    first.rename(moved)
+    args = tiny_args(moved, out, "--max_train_samples", "100", "--num_train_epochs", "2")
+    proc = train_here([*args, "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"the dataset is at {moved} now, the same images and labels as at {first}" in proc.stdout
+    assert (
+        read_results(out)["epochs_completed"] == 2 and f"dataset_name: {moved}\n" in (out / "config.yaml").read_text()
+    )
+
+    shutil.rmtree(moved)
+    write_split_files(moved, good_split(327, seed=5), good_split(83, seed=6))  # the same shape, other images
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = train_here([*args[:-1], "3", "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith(
+        f"was trained on other data than '{moved}' holds now (its images, labels or classes differ); resume with the "
+        "dataset it was trained on, or start a new --output_dir"
     )
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
