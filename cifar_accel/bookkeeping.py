@@ -97,8 +97,8 @@ def check_finite_model(
         named = ", ".join(broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
         raise RunFault(
             f"non-finite values in the model's {named or 'state on another process'} at epoch {state.epoch + 1}, "
-            f"optimizer step {state.global_step}, though the loss was finite; the run stops here rather than save "
-            "them; " + _what_to_do(last_checkpoint, "a lower --learning_rate")
+            f"optimizer step {state.global_step} (activations that overflow, or an update that broke the weights); "
+            "the run stops here rather than save them; " + _what_to_do(last_checkpoint, "a lower --learning_rate")
         )
 
 

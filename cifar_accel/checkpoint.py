@@ -262,11 +262,11 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         key: state.config_fingerprint.get(key, FIELDS[key].default if key in FIELDS else None) for key in fingerprint
     }
     saved["dataset_name"] = dataset_location(saved["dataset_name"])  # recorded as typed before it was made absolute
-    where = {"dataset_name"} if state.data_signature else set()
+    checked_later = {"dataset_name"} if state.data_signature else set()
     differences = [
         f"{key}: checkpoint {saved[key]!r}, now {value!r}"
         for key, value in fingerprint.items()
-        if saved[key] != value and key not in where
+        if saved[key] != value and key not in checked_later
     ]
     if differences:
         settings = path.parent.parent / CONFIG_FILE  # the effective config of the run that saved the checkpoint

@@ -102,7 +102,8 @@ def find_run_dir(weights: Path) -> Path:
 
 
 def in_checkpoint(weights: Path) -> bool:
-    return weights.name == WEIGHTS_FILE and (weights.parent / STATE_FILE).is_file()
+    """Whether ``weights`` is a file in a checkpoint folder."""
+    return (weights.parent / STATE_FILE).is_file()
 
 
 def output_beside(weights: Path, name: str) -> Path:
@@ -164,7 +165,8 @@ def load_model(path: str | Path) -> TrainedModel:
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)
     try:
-        state = validated_weights(weights.parent) if in_checkpoint(weights) else safetensors.torch.load_file(weights)
+        in_own_checkpoint = weights.name == WEIGHTS_FILE and in_checkpoint(weights)
+        state = validated_weights(weights.parent) if in_own_checkpoint else safetensors.torch.load_file(weights)
         model.load_state_dict(state)
     except (SafetensorError, RuntimeError, OSError) as err:
         raise InputError(

@@ -226,8 +226,9 @@ def test_non_finite_weights_or_statistics_behind_a_finite_loss_stop_the_run_befo
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(
-        "error: non-finite values in the model's features.0.1.running_var at epoch 1, optimizer step 8, though "
-        "the loss was finite; the run stops here rather than save them; resume from the newest checkpoint, "
+        "error: non-finite values in the model's features.0.1.running_var at epoch 1, optimizer step 8 "
+        "(activations that overflow, or an update that broke the weights); the run stops here rather than save them; "
+        "resume from the newest checkpoint, "
         f"{out / 'checkpoints' / 'step_00000004'} ("
     )
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000004"]
