@@ -6,7 +6,8 @@ write a report.
 
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
-an interrupted one is resumed, so a stopped comparison goes on where it was when started again (SIGINT or SIGTERM
+an interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes
+on where it was when started again (SIGINT or SIGTERM
 stops the runs in training at a checkpoint and starts no more). ``--jobs N``
 trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The report
 is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
@@ -96,17 +97,21 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def config_differences(run_dir: Path, config: TrainConfig) -> list[str]:
+def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool = False) -> list[str]:
     """Each setting that shapes a run's result where the run in ``run_dir`` differs from ``config``, as 'key saved
-    (not wanted)'; a run without a readable config.yaml differs in that."""
+    (not wanted)'; a run without a readable config.yaml differs in that. With ``resume_refuses``, only those a
+    resume must keep (the dataset is checked by its content there, so it is left out)."""
     try:
         saved = read_config_file(run_dir / CONFIG_FILE)
     except InputError:  # missing or damaged: not a run of this config
         return [f"no readable {run_dir / CONFIG_FILE}"]
+    keys = [key for key in config.to_dict() if not FIELDS[key].metadata["plumbing"]]
+    if resume_refuses:
+        keys = [key for key in keys if FIELDS[key].metadata["resume"] == "match" and key != "dataset_name"]
     return [
-        f"{key} {saved.get(key)!r} (not {value!r})"
-        for key, value in config.to_dict().items()
-        if not FIELDS[key].metadata["plumbing"] and saved.get(key) != value
+        f"{key} {saved.get(key)!r} (not {getattr(config, key)!r})"
+        for key in keys
+        if saved.get(key) != getattr(config, key)
     ]
 
 
@@ -177,7 +182,13 @@ def train_run(
         logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
         return results
     if complete_checkpoints(run_dir):
-        argv += ["--resume_from_checkpoint", "latest"]  # finishes, extends, or refuses a different config
+        if differences := config_differences(run_dir, config, resume_refuses=True):
+            raise InputError(
+                f"the {precision} run (seed {seed}) in {run_dir} was made with other settings "
+                f"({'; '.join(differences)}); compare these settings in another --output_dir, or give the ones it "
+                "was made with"
+            )
+        argv += ["--resume_from_checkpoint", "latest"]  # finishes or extends it
     if processes.signal_number:  # the comparison is stopping
         return None
     command = [sys.executable, "-m", "cifar_accel.train", *argv]

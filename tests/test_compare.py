@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -18,6 +19,8 @@ from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.compare import add_ratios, markdown
+from cifar_accel.compare import main as compare_cli
+from cifar_accel.errors import run_cli as run_in_process
 
 from conftest import read_results, run_cli, tiny_args
 
@@ -165,6 +168,22 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
         "- Some runs trained on other machines, so their times do not compare with the rest: Another CPU ("
         in (out / "report.md").read_text()
     )
+
+
+def test_runs_made_with_other_settings_are_refused_with_the_fix_for_compare(compared, tiny_dataset, tmp_path, capsys):
+    """A resume of them would be refused, with advice for train's command line (--config <run>/config.yaml) that
+    does not fit compare's: the comparison names them and its own fix before anything runs."""
+    out = Path(shutil.copytree(compared[0], tmp_path / "report"))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert (
+        run_in_process(compare_cli, [*compare_args(tiny_dataset, out), "--learning_rate", "0.01", "--jobs", "1"]) == 2
+    )
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"error: the no run (seed 42) in {out / 'no_seed42'} was made with other settings (learning_rate 0.001 (not "
+        "0.01)); compare these settings in another --output_dir, or give the ones it was made with"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(tiny_dataset, cli_env, tmp_path):
