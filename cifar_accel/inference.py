@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors import SafetensorError
 from torch import nn
 
+from cifar_accel.averaging import EMA_FILE
 from cifar_accel.checkpoint import STATE_FILE, validated_weights
 from cifar_accel.config import TestTimeAugmentation, TrainConfig, read_config_file
 from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
@@ -165,7 +166,7 @@ def load_model(path: str | Path) -> TrainedModel:
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)
     try:
-        in_own_checkpoint = weights.name == WEIGHTS_FILE and in_checkpoint(weights)
+        in_own_checkpoint = weights.name in (WEIGHTS_FILE, EMA_FILE) and in_checkpoint(weights)
         state = validated_weights(weights.parent) if in_own_checkpoint else safetensors.torch.load_file(weights)
         model.load_state_dict(state)
     except (SafetensorError, RuntimeError, OSError) as err:

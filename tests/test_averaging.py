@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, ema_decay_at
+from cifar_accel.inference import load_model
 
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args
 
@@ -57,6 +58,9 @@ def test_an_averaged_run_exports_the_average_and_resumes_bitwise(tiny_dataset, t
     assert all(torch.equal(exported[name.removeprefix("module.")], t) for name, t in average.items())
     trained = load_file(best / "model.safetensors")  # the weights being trained differ from their average
     assert not torch.equal(trained["classifier.weight"], exported["classifier.weight"])
+    # The average's own file loads as the checkpoint does: the validated weights, not AveragedModel's keys.
+    from_file = load_model(best / EMA_FILE).model.state_dict()
+    assert all(torch.equal(from_file[name], exported[name]) for name in exported)
 
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=20)  # 2 batches into epoch 3
     proc = train_here([*ema_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"])
