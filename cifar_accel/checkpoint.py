@@ -30,6 +30,8 @@ from cifar_accel.schema import from_json
 from cifar_accel.state import TrainerState, checkpoint_name
 
 STATE_FILE = "trainer_state.json"
+# Settings a resume must keep that a checkpoint with a data signature checks by the data's content instead.
+CHECKED_BY_CONTENT = frozenset({"dataset_name"})
 PARTIAL_PREFIX = ".partial-"
 _NAME = re.compile(r"^step_(\d{8,})$")
 
@@ -262,7 +264,7 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         key: state.config_fingerprint.get(key, FIELDS[key].default if key in FIELDS else None) for key in fingerprint
     }
     saved["dataset_name"] = dataset_location(saved["dataset_name"])  # recorded as typed before it was made absolute
-    checked_later = {"dataset_name"} if state.data_signature else set()
+    checked_later = CHECKED_BY_CONTENT if state.data_signature else frozenset()
     differences = [
         f"{key}: checkpoint {saved[key]!r}, now {value!r}"
         for key, value in fingerprint.items()

@@ -37,7 +37,7 @@ from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.checkpoint import CHECKED_BY_CONTENT, complete_checkpoints
 from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
 from cifar_accel.errors import (
     ArgumentParser,
@@ -107,7 +107,7 @@ def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool 
         return [f"no readable {run_dir / CONFIG_FILE}"]
     keys = [key for key in config.to_dict() if not FIELDS[key].metadata["plumbing"]]
     if resume_refuses:
-        keys = [key for key in keys if FIELDS[key].metadata["resume"] == "match" and key != "dataset_name"]
+        keys = [key for key in keys if FIELDS[key].metadata["resume"] == "match" and key not in CHECKED_BY_CONTENT]
     return [
         f"{key} {saved.get(key)!r} (not {getattr(config, key)!r})"
         for key in keys
