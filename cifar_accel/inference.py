@@ -72,11 +72,16 @@ class TrainedModel:
 
     @torch.no_grad()
     def probabilities(self, images: Sequence[Image.Image] | torch.Tensor, tta: str = "none") -> torch.Tensor:
-        """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked."""
+        """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked.
+
+        The network sees the images in batches of the run's --per_device_eval_batch_size, so that its activations
+        take the memory of one such batch however many images are given."""
         if tta not in typing.get_args(TestTimeAugmentation):
             raise ValueError(f"tta must be one of {', '.join(typing.get_args(TestTimeAugmentation))}, not {tta!r}")
-        logits = tta_logits(self.model, self.preprocess(self.as_batch(images)), tta)
-        return logits.float().softmax(1).cpu()
+        batches = self.as_batch(images).split(self.config.per_device_eval_batch_size)
+        return torch.cat(
+            [tta_logits(self.model, self.preprocess(batch), tta).float().softmax(1).cpu() for batch in batches]
+        )
 
     def predict(
         self, images: Sequence[Image.Image] | torch.Tensor, top_k: int = 1, tta: str = "none"

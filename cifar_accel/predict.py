@@ -68,17 +68,30 @@ def image_files(paths: Sequence[str]) -> tuple[list[Path], list[tuple[Path, str]
     return files, skipped
 
 
-def read_images(files: list[Path]) -> tuple[torch.Tensor, list[str | None]]:
-    """The files as one uint8 batch (N, 3, 32, 32), and for each what it was converted from, if anything."""
-    arrays, originals = [], []
+def read_images(
+    files: list[Path], named: set[Path]
+) -> tuple[list[Path], torch.Tensor, list[str | None], list[tuple[Path, str]]]:
+    """The readable files, as one uint8 batch (N, 3, 32, 32), and for each what it was converted from, if anything;
+    then the files of a folder that could not be read, with why. A file named directly that cannot be read is an
+    InputError: it was asked for by name."""
+    readable, arrays, originals, unreadable = [], [], [], []
     for file in files:
         try:
             array, original = to_rgb32(file)
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for a broken file
-            raise InputError(f"cannot read image '{file}' ({type(err).__name__}: {one_line(err)[:200]})") from None
+            why = f"{type(err).__name__}: {one_line(err)[:200]}"
+            if file in named:
+                raise InputError(f"cannot read image '{file}' ({why})") from None
+            unreadable.append((file, f"cannot be read ({why})"))
+            continue
+        readable.append(file)
         arrays.append(torch.tensor(array))
         originals.append(original)
-    return torch.stack(arrays), originals
+    if not readable:
+        raise InputError(
+            f"none of the {len(files)} image files found could be read: '{unreadable[0][0]}' {unreadable[0][1]}"
+        )
+    return readable, torch.stack(arrays), originals, unreadable
 
 
 def main(argv: Sequence[str]) -> None:
@@ -88,36 +101,40 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
     trained = load_model(args.model)
     files, skipped = image_files(args.images)
-    images, originals = read_images(files)
+    files, images, originals, unreadable = read_images(files, named={Path(name) for name in args.images})
     accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
     warn_if_not_in_effect(accelerator, "prediction runs in fp32")
     trained.model = accelerator.prepare(trained.model)
-    with accelerator.autocast():
-        probabilities = trained.probabilities(images)
-    top = probabilities.topk(min(args.top_k, len(trained.class_names)), dim=1)
-
-    for file, original, scores, indices in zip(files, originals, top.values, top.indices, strict=True):
-        classes = [trained.class_names[i] for i in indices]
-        if args.format == "jsonl":
-            row = {
-                "file": str(file),
-                "top_k": [
-                    {"class": c, "probability": round(float(p), 6)} for c, p in zip(classes, scores, strict=True)
-                ],
-            }
-            if original:
-                row["converted_from"] = original
-            print(json.dumps(row))
-        else:
-            ranked = "  ".join(f"{c} {float(p):.3f}" for c, p in zip(classes, scores, strict=True))
-            note = f"  (converted from {original} to RGB 32x32)" if original else ""
-            print(f"{file}: {ranked}{note}")
-    for entry, reason in skipped:
+    batch_size = trained.config.per_device_eval_batch_size  # the rows of a batch are printed before the next starts
+    for start in range(0, len(files), batch_size):
+        batch = slice(start, start + batch_size)
+        with accelerator.autocast():
+            top = trained.probabilities(images[batch]).topk(min(args.top_k, len(trained.class_names)), dim=1)
+        for file, original, scores, indices in zip(
+            files[batch], originals[batch], top.values, top.indices, strict=True
+        ):
+            print_prediction(file, original, [trained.class_names[i] for i in indices], scores, args.format)
+    for entry, reason in skipped + unreadable:
         print(
             json.dumps({"file": str(entry), "skipped": reason})
             if args.format == "jsonl"
             else f"{entry}: skipped, {reason}"
         )
+
+
+def print_prediction(file: Path, original: str | None, classes: list[str], scores: torch.Tensor, form: str) -> None:
+    if form == "jsonl":
+        row = {
+            "file": str(file),
+            "top_k": [{"class": c, "probability": round(float(p), 6)} for c, p in zip(classes, scores, strict=True)],
+        }
+        if original:
+            row["converted_from"] = original
+        print(json.dumps(row))
+    else:
+        ranked = "  ".join(f"{c} {float(p):.3f}" for c, p in zip(classes, scores, strict=True))
+        note = f"  (converted from {original} to RGB 32x32)" if original else ""
+        print(f"{file}: {ranked}{note}")
 
 
 def cli() -> None:

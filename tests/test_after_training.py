@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -115,6 +116,52 @@ def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_e
 
     table = run_cli(["--model", str(trained_run), str(files[3])], cli_env, module="cifar_accel.predict")
     assert table.returncode == 0 and "(converted from RGB 57x41 to RGB 32x32)" in table.stdout
+
+
+def test_many_images_go_through_the_network_in_evaluation_batches(trained_run):
+    """120 images at once are three batches of the run's --per_device_eval_batch_size (50), so a folder of any
+    size takes the memory of one batch; the probabilities are those of the whole batch at once."""
+    trained = load_model(trained_run)
+    images = torch.stack([torch.tensor(np.asarray(image)).permute(2, 0, 1) for image in make_images(120, seed=6)[0]])
+    seen = []
+    hook = trained.model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
+    probabilities = trained.probabilities(images)
+    hook.remove()
+    assert seen == [50, 50, 20]
+    with torch.no_grad():
+        whole = trained.model(trained.preprocess(images)).softmax(1)
+    assert torch.equal(probabilities.argmax(1), whole.argmax(1))
+    assert torch.allclose(probabilities, whole, rtol=0, atol=1e-5)
+
+
+def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(trained_run, cli_env, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, image in enumerate(make_images(3, seed=7)[0]):
+        image.save(folder / f"{i}.png")
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "cut.png").write_bytes((folder / "0.png").read_bytes()[:60])  # a download that stopped early
+    proc = run_cli(["--model", str(trained_run), str(folder), "--format", "jsonl"], cli_env,
+                   module="cifar_accel.predict")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [Path(row["file"]).name for row in rows if "top_k" in row] == ["0.png", "1.png", "2.png"]
+    skipped = {Path(row["file"]).name: row["skipped"] for row in rows if "skipped" in row}
+    assert sorted(skipped) == ["cut.png", "empty.jpg"]
+    assert all(reason.startswith("cannot be read (") for reason in skipped.values())
+
+    named = run_cli(["--model", str(trained_run), str(folder / "0.png"), str(folder / "cut.png")], cli_env,
+                    module="cifar_accel.predict")  # fmt: skip
+    assert named.returncode == 2 and named.stdout == ""
+    assert len(named.stderr.splitlines()) == 1
+    assert named.stderr.startswith(f"error: cannot read image '{folder / 'cut.png'}' (")
+
+    (folder / "0.png").write_bytes(b"")
+    for name in ("1.png", "2.png"):
+        (folder / name).unlink()
+    nothing = run_cli(["--model", str(trained_run), str(folder)], cli_env, module="cifar_accel.predict")
+    assert nothing.returncode == 2 and nothing.stdout == ""
+    assert nothing.stderr.startswith("error: none of the 3 image files found could be read: ")
 
 
 def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, tmp_path):
