@@ -113,11 +113,13 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         step_scheduler_with_optimizer=False,  # the loop steps the schedule: per epoch, or once per optimizer step
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
-        raise InputError(
-            f"{os.environ['WORLD_SIZE']} processes were started but they are not connected into one process group; "
-            "on CPUs launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu', on GPUs with "
-            "'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml -m cifar_accel.train'"
-        )
+        fix = "launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu'"
+        if torch.cuda.is_available():
+            fix += " on CPUs, or with 'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml' on GPUs"
+        else:
+            fix = f"this machine has no GPU for a multi-GPU launch to join them with; {fix}"
+        processes = os.environ["WORLD_SIZE"]
+        raise InputError(f"{processes} processes were started but they are not connected into one process group; {fix}")
     return accelerator
 
 
