@@ -29,6 +29,7 @@ from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, wr
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision, warn_if_not_in_effect
+from cifar_accel.processes import check_joined
 
 METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
 
@@ -125,6 +126,7 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
     run = trained.config
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
+    check_joined(accelerator, "evaluate")
     warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
         split, class_names = load_split(

@@ -33,6 +33,7 @@ from cifar_accel.data import load_split
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
 from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, save_atomic, write_atomic
+from cifar_accel.processes import require_one_process
 from cifar_accel.state import read_results
 from cifar_accel.transforms import Normalization
 
@@ -181,6 +182,7 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--check_samples must be at least 1, not {args.check_samples}")
     if not 0 <= args.tolerance < 1:
         raise InputError(f"--tolerance must be from 0 to below 1, not {args.tolerance}")
+    require_one_process("export")
     if args.format == "onnx":
         require_onnx()
     trained = load_model(args.model)

@@ -22,6 +22,7 @@ from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
 from cifar_accel.inference import load_model
 from cifar_accel.precision import warn_if_not_in_effect
+from cifar_accel.processes import require_one_process
 
 IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
 
@@ -99,6 +100,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     if args.top_k < 1:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
+    require_one_process("predict")
     trained = load_model(args.model)
     files, skipped = image_files(args.images)
     files, images, originals, unreadable = read_images(files, named={Path(name) for name in args.images})

@@ -77,6 +77,7 @@ from cifar_accel.precision import (
     precision_report,
     warn_if_not_in_effect,
 )
+from cifar_accel.processes import check_joined
 from cifar_accel.profiling import STEPS_BEFORE_RECORDING, profiled
 from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
@@ -112,14 +113,7 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the schedule: per epoch, or once per optimizer step
     )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
-        fix = "launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu'"
-        if torch.cuda.is_available():
-            fix += " on CPUs, or with 'accelerate launch --config_file accelerate_configs/multi_gpu_fp16.yaml' on GPUs"
-        else:
-            fix = f"this machine has no GPU for a multi-GPU launch to join them with; {fix}"
-        processes = os.environ["WORLD_SIZE"]
-        raise InputError(f"{processes} processes were started but they are not connected into one process group; {fix}")
+    check_joined(accelerator, "train")
     return accelerator
 
 

@@ -178,6 +178,37 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
     assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
 
 
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [
+        ("evaluate", ["--output_dir", "{out}"], "2 processes were started but they are not connected into one "
+         "process group; this machine has no GPU for a multi-GPU launch to join them with; launch with "
+         "'torchrun --nproc_per_node N -m cifar_accel.evaluate --cpu'"),
+        ("predict", ["{image}"], "cifar_accel.predict runs in one process, and 2 were started; run it with "
+         "'python -m cifar_accel.predict'"),
+        ("export", ["--format", "pt2", "--output", "{out}.pt2"], "cifar_accel.export runs in one process, and 2 "
+         "were started; run it with 'python -m cifar_accel.export'"),
+    ],
+)  # fmt: skip
+def test_launching_two_processes_that_would_each_do_all_the_work_is_refused(
+    trained_run, cli_env, tmp_path, module, argv, line
+):
+    """torchrun without --cpu on a machine without a GPU (as a multi-GPU profile would start them) gives evaluate
+    two unconnected ranks, each of which would evaluate everything and write the same report; predict and export
+    work in one process, whose copies would print and write everything twice."""
+    image = tmp_path / "cat.png"
+    make_images(1, seed=5)[0][0].save(image)
+    argv = [arg.format(out=tmp_path / "out", image=image) for arg in argv]
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+    env = {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = run_cli(["--model", str(trained_run), *argv], env, module=f"cifar_accel.{module}", launcher=torchrun)
+    assert proc.returncode != 0
+    errors = [error for error in proc.stderr.splitlines() if error.startswith("error: ")]
+    assert 1 <= len(errors) <= 2 and set(errors) == {f"error: {line}"}  # one per rank, unless torchrun stops one
+    assert "top_k" not in proc.stdout and "cat.png" not in proc.stdout
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_the_documented_python_example_runs_and_agrees_with_the_model(trained_run, tmp_path, monkeypatch, capsys):
     readme = (REPO / "docs" / "evaluation.md").read_text()
     example = next(block for block in readme.split("```python\n")[1:] if "from cifar_accel import load_model" in block)

@@ -101,9 +101,9 @@ def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tm
     assert 1 <= len(errors) <= 2
     assert all("2 processes were started but they are not connected" in line for line in errors)
     assert "torchrun --nproc_per_node N -m cifar_accel.train --cpu" in errors[0]
-    if not torch.cuda.is_available():  # not the multi-GPU profile the user may have just launched with
-        assert "this machine has no GPU for a multi-GPU launch to join them with; launch with 'torchrun" in errors[0]
-        assert "multi_gpu_fp16.yaml" not in errors[0]
+    # CUDA_VISIBLE_DEVICES="" hides any GPU: the line does not send the user back to a multi-GPU profile.
+    assert "this machine has no GPU for a multi-GPU launch to join them with; launch with 'torchrun" in errors[0]
+    assert "multi_gpu_fp16.yaml" not in errors[0]
     assert not (tmp_path / "run" / "results.json").exists()
 
 
