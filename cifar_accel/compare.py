@@ -61,6 +61,7 @@ from cifar_accel.outputs import (
 )
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
+from cifar_accel.processes import require_one_process
 from cifar_accel.state import RunResults, read_results
 from cifar_accel.trackers import tensorboard_dir
 
@@ -484,6 +485,7 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str]) -> None:
     args, train_args = build_parser().parse_known_args(argv)
+    require_one_process("compare")
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs

@@ -188,6 +188,8 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
          "'python -m cifar_accel.predict'"),
         ("export", ["--format", "pt2", "--output", "{out}.pt2"], "cifar_accel.export runs in one process, and 2 "
          "were started; run it with 'python -m cifar_accel.export'"),
+        ("compare", ["--output_dir", "{out}"], "cifar_accel.compare runs in one process, and 2 were started; "
+         "run it with 'python -m cifar_accel.compare'"),
     ],
 )  # fmt: skip
 def test_launching_two_processes_that_would_each_do_all_the_work_is_refused(
@@ -195,13 +197,15 @@ def test_launching_two_processes_that_would_each_do_all_the_work_is_refused(
 ):
     """torchrun without --cpu on a machine without a GPU (as a multi-GPU profile would start them) gives evaluate
     two unconnected ranks, each of which would evaluate everything and write the same report; predict and export
-    work in one process, whose copies would print and write everything twice."""
+    work in one process, and compare starts its runs' processes itself: their copies would print and write
+    everything twice."""
     image = tmp_path / "cat.png"
     make_images(1, seed=5)[0][0].save(image)
     argv = [arg.format(out=tmp_path / "out", image=image) for arg in argv]
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
     env = {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = run_cli(["--model", str(trained_run), *argv], env, module=f"cifar_accel.{module}", launcher=torchrun)
+    model = [] if module == "compare" else ["--model", str(trained_run)]  # compare trains its own
+    proc = run_cli([*model, *argv], env, module=f"cifar_accel.{module}", launcher=torchrun)
     assert proc.returncode != 0
     errors = [error for error in proc.stderr.splitlines() if error.startswith("error: ")]
     assert 1 <= len(errors) <= 2 and set(errors) == {f"error: {line}"}  # one per rank, unless torchrun stops one
