@@ -7,6 +7,7 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ from torch import nn
 from cifar_accel.config import CONFIG_HEADER, TrainConfig
 from cifar_accel.errors import InputError, RunFault
 
+logger = logging.getLogger(__name__)
+
 WEIGHTS_FILE = "model.safetensors"  # a run's final weights
 RESULTS_FILE = "results.json"  # what a finished run measured (telemetry.run_results)
 CONFIG_FILE = "config.yaml"  # the effective config (config.config_yaml)
@@ -31,6 +34,8 @@ PREPROCESSING_FILE = "preprocessing.json"  # the input normalisation (transforms
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"  # the trackers' files: TensorBoard's events under logs/<project_name>/
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
+# flock's errors where the filesystem has no locks: Lustre mounted without -o flock, an NFS without its lock service.
+NO_FILE_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
 DISCARDED_PREFIX = ".discarded-run-"  # a set-aside run being deleted (renamed first, so the deletion is all or none)
 CARD_FILE = "README.md"  # the model card (card.py); a README.md without CARD_MARK is the user's and left alone
@@ -188,6 +193,15 @@ class OutputDirLock:
                 f"'{self.folder}' is in use by another run ({self._holder()}); wait for it to finish, or pick "
                 "another --output_dir"
             ) from None
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in NO_FILE_LOCKS:
+                raise
+            logger.warning(
+                f"the filesystem of '{self.folder}' cannot lock files ({err.strerror}), so a second run started in "
+                "this folder meanwhile would not be stopped; give each run its own --output_dir"
+            )
+            return
         self._fd = fd
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}

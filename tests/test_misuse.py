@@ -242,6 +242,59 @@ def test_two_processes_one_folder_and_sigkill_leaves_no_stale_lock(tiny_dataset,
     assert resumed.returncode == 0, resumed.stderr
 
 
+NO_FLOCK = r"""
+/* flock() fails with ENOSYS, as on Lustre mounted without -o flock, for files under $NOFLOCK_PREFIX. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+int flock(int fd, int operation) {
+    static int (*real_flock)(int, int);
+    const char *prefix = getenv("NOFLOCK_PREFIX");
+    char link[64], path[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (prefix && n > 0) {
+        path[n] = '\0';
+        if (strncmp(path, prefix, strlen(prefix)) == 0) {
+            errno = ENOSYS;
+            return -1;
+        }
+    }
+    if (!real_flock) real_flock = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
+    return real_flock(fd, operation);
+}
+"""
+
+
+def test_a_folder_on_a_filesystem_without_locks_trains_with_a_warning(tiny_dataset, cli_env, tmp_path):
+    """Lustre mounted without -o flock answers flock with ENOSYS; the C library's flock is replaced (LD_PRELOAD) to
+    answer so for the output folder only. The run and a comparison warn once and finish; the old code stopped with
+    "OSError: [Errno 38] Function not implemented"."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    (tmp_path / "noflock.c").write_text(NO_FLOCK)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", tmp_path / "noflock.so", tmp_path / "noflock.c", "-ldl"],
+                   check=True)  # fmt: skip
+    lustre = tmp_path / "lustre"
+    lustre.mkdir()
+    env = {**cli_env, "LD_PRELOAD": str(tmp_path / "noflock.so"), "NOFLOCK_PREFIX": str(lustre.resolve())}
+    warning = "cannot lock files (Function not implemented), so a second run started in this folder meanwhile"
+    proc = run_subprocess(tiny_args(tiny_dataset, lustre / "run"), env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(warning) == 1 and proc.stderr == ""
+    assert read_results(lustre / "run")["epochs_completed"] == 1
+    argv = ["--output_dir", str(lustre / "cmp"), "--precisions", "no", "--dataset_name", str(tiny_dataset)]
+    report = run_subprocess([*argv, "--num_train_epochs", "1"], env, module="cifar_accel.compare")
+    assert report.returncode == 0, report.stderr
+    assert warning in report.stdout and (lustre / "cmp" / "report.json").is_file()
+
+
 # 3. A checkpoint is complete or refused.
 
 
