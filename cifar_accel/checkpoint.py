@@ -124,19 +124,20 @@ def adopt_best_checkpoint(resumed_from: Path, state: TrainerState, output_dir: P
 
 
 def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, TrainerState]:
-    """The checkpoint folder named by ``--resume_from_checkpoint`` (a path, or 'latest'), with its checked
-    trainer state."""
+    """The checkpoint folder named by ``--resume_from_checkpoint`` (a path, or 'latest'; the run has resolved
+    'auto' before), with its checked trainer state."""
     if spec == "latest":
         found = complete_checkpoints(output_dir)
         if not found:
             raise InputError(
-                f"no complete checkpoint in {checkpoint_dir(output_dir)}; start without --resume_from_checkpoint"
+                f"no complete checkpoint in {checkpoint_dir(output_dir)}; start without --resume_from_checkpoint (or "
+                "with 'auto', which starts a new run where there is no checkpoint)"
             )
         path = found[-1]
     else:
         path = Path(spec)
         if not path.is_dir():
-            raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder or 'latest'")
+            raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder, 'latest' or 'auto'")
         if not (path / STATE_FILE).is_file():
             raise InputError(
                 f"checkpoint '{spec}' is incomplete (no {STATE_FILE}); resume from another one or 'latest'"

@@ -326,7 +326,8 @@ class TrainConfig:
     )
     resume_from_checkpoint: str | None = _field(
         None,
-        "A checkpoint folder, or 'latest' for the newest one in --output_dir.",
+        "A checkpoint folder; 'latest' for the newest one in --output_dir; or 'auto': the newest one if --output_dir "
+        "has one, else a new run (one command for a job's first start and its requeues).",
         resume="may_change",
         plumbing=True,
         aliases=("--resume",),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from cifar_accel.checkpoint import (
     check_resumed_data,
     check_resumed_epochs,
     checkpoint_dir,
+    complete_checkpoints,
     config_fingerprint,
     load_checkpoint,
     remove_partial_checkpoints,
@@ -149,6 +151,14 @@ def set_up_run(
 ) -> Run:
     """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
     restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
+    if config.resume_from_checkpoint == "auto":  # one command for a job's first start and its requeues
+        latest = "latest" if complete_checkpoints(output_dir) else None
+        logger.info(
+            "--resume_from_checkpoint auto: "
+            + (f"resuming from the newest checkpoint in {output_dir}" if latest else f"no checkpoint in {output_dir} "
+               "yet, so a new run starts")
+        )  # fmt: skip
+        config = dataclasses.replace(config, resume_from_checkpoint=latest)
     check_earlier_run(config, output_dir)
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     fingerprint = config_fingerprint(config, effective_precision(accelerator))

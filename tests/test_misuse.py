@@ -242,6 +242,31 @@ def test_two_processes_one_folder_and_sigkill_leaves_no_stale_lock(tiny_dataset,
     assert resumed.returncode == 0, resumed.stderr
 
 
+def test_auto_resume_is_one_command_for_a_jobs_first_start_and_its_requeue(tiny_dataset, cli_env, tmp_path):
+    """A preemptible job runs one command each time it starts: the first start trains from scratch, the requeue
+    after a SIGKILL resumes the newest checkpoint, and the weights are those of a run never interrupted."""
+    args = [*run_args(tiny_dataset, tmp_path / "job"), "--resume_from_checkpoint", "auto"]
+    unbuffered = {**cli_env, "PYTHONUNBUFFERED": "1"}  # its lines are read after a SIGKILL
+    first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=unbuffered,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not complete_checkpoints(tmp_path / "job"):
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    first.kill()
+    assert (
+        f"--resume_from_checkpoint auto: no checkpoint in {tmp_path / 'job'} yet, so a new run starts"
+        in (first.communicate()[0])
+    )
+    requeued = run_subprocess(args, cli_env)
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"--resume_from_checkpoint auto: resuming from the newest checkpoint in {tmp_path / 'job'}" in (
+        requeued.stdout
+    )
+    assert train_in_process(run_args(tiny_dataset, tmp_path / "plain")) == 0
+    assert snapshot(tmp_path / "job")["model.safetensors"] == snapshot(tmp_path / "plain")["model.safetensors"]
+
+
 NO_FLOCK = r"""
 /* flock() fails with ENOSYS, as on Lustre mounted without -o flock, for files under $NOFLOCK_PREFIX. */
 #define _GNU_SOURCE
