@@ -152,13 +152,10 @@ def set_up_run(
     """Check every input, load the data, build and prepare the model, optimizer, schedule and loaders, and
     restore the state of a resumed run. Nothing is written: a run refused here leaves its folder as it was."""
     if config.resume_from_checkpoint == "auto":  # one command for a job's first start and its requeues
-        latest = "latest" if complete_checkpoints(output_dir) else None
-        logger.info(
-            "--resume_from_checkpoint auto: "
-            + (f"resuming from the newest checkpoint in {output_dir}" if latest else f"no checkpoint in {output_dir} "
-               "yet, so a new run starts")
-        )  # fmt: skip
-        config = dataclasses.replace(config, resume_from_checkpoint=latest)
+        resume = "latest" if complete_checkpoints(output_dir) else None
+        found = "resuming from the newest checkpoint in" if resume else "a new run starts, as there is no checkpoint in"
+        logger.info(f"--resume_from_checkpoint auto: {found} {output_dir}")
+        config = dataclasses.replace(config, resume_from_checkpoint=resume)
     check_earlier_run(config, output_dir)
     logger.info("effective config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     fingerprint = config_fingerprint(config, effective_precision(accelerator))

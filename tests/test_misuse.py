@@ -255,7 +255,7 @@ def test_auto_resume_is_one_command_for_a_jobs_first_start_and_its_requeue(tiny_
         time.sleep(0.05)
     first.kill()
     assert (
-        f"--resume_from_checkpoint auto: no checkpoint in {tmp_path / 'job'} yet, so a new run starts"
+        f"--resume_from_checkpoint auto: a new run starts, as there is no checkpoint in {tmp_path / 'job'}"
         in (first.communicate()[0])
     )
     requeued = run_subprocess(args, cli_env)
