@@ -13,7 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
+from cifar_accel import predict
 from cifar_accel.data import load_split
+from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 
@@ -134,7 +136,7 @@ def test_many_images_go_through_the_network_in_evaluation_batches(trained_run):
     assert torch.allclose(probabilities, whole, rtol=0, atol=1e-5)
 
 
-def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(trained_run, cli_env, tmp_path):
+def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(trained_run, cli_env, tmp_path, capsys):
     folder = tmp_path / "photos"
     folder.mkdir()
     for i, image in enumerate(make_images(3, seed=7)[0]):
@@ -150,18 +152,18 @@ def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(train
     assert sorted(skipped) == ["cut.png", "empty.jpg"]
     assert all(reason.startswith("cannot be read (") for reason in skipped.values())
 
-    named = run_cli(["--model", str(trained_run), str(folder / "0.png"), str(folder / "cut.png")], cli_env,
-                    module="cifar_accel.predict")  # fmt: skip
-    assert named.returncode == 2 and named.stdout == ""
-    assert len(named.stderr.splitlines()) == 1
-    assert named.stderr.startswith(f"error: cannot read image '{folder / 'cut.png'}' (")
+    # The refusals, in process: the same main as the command line's.
+    assert run_main(predict.main, ["--model", str(trained_run), str(folder / "0.png"), str(folder / "cut.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"error: cannot read image '{folder / 'cut.png'}' (")
 
     (folder / "0.png").write_bytes(b"")
     for name in ("1.png", "2.png"):
         (folder / name).unlink()
-    nothing = run_cli(["--model", str(trained_run), str(folder)], cli_env, module="cifar_accel.predict")
-    assert nothing.returncode == 2 and nothing.stdout == ""
-    assert nothing.stderr.startswith("error: none of the 3 image files found could be read: ")
+    assert run_main(predict.main, ["--model", str(trained_run), str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: none of the 3 image files found could be read: ")
 
 
 def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, tmp_path):
