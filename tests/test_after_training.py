@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cifar_accel import predict
+from cifar_accel import compare, export, predict
 from cifar_accel.data import load_split
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
@@ -180,39 +180,46 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
     assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
 
 
-@pytest.mark.parametrize(
-    ("module", "argv", "line"),
-    [
-        ("evaluate", ["--output_dir", "{out}"], "2 processes were started but they are not connected into one "
-         "process group; this machine has no GPU for a multi-GPU launch to join them with; launch with "
-         "'torchrun --nproc_per_node N -m cifar_accel.evaluate --cpu'"),
-        ("predict", ["{image}"], "cifar_accel.predict runs in one process, and 2 were started; run it with "
-         "'python -m cifar_accel.predict'"),
-        ("export", ["--format", "pt2", "--output", "{out}.pt2"], "cifar_accel.export runs in one process, and 2 "
-         "were started; run it with 'python -m cifar_accel.export'"),
-        ("compare", ["--output_dir", "{out}"], "cifar_accel.compare runs in one process, and 2 were started; "
-         "run it with 'python -m cifar_accel.compare'"),
-    ],
-)  # fmt: skip
-def test_launching_two_processes_that_would_each_do_all_the_work_is_refused(
-    trained_run, cli_env, tmp_path, module, argv, line
-):
-    """torchrun without --cpu on a machine without a GPU (as a multi-GPU profile would start them) gives evaluate
-    two unconnected ranks, each of which would evaluate everything and write the same report; predict and export
-    work in one process, and compare starts its runs' processes itself: their copies would print and write
-    everything twice."""
-    image = tmp_path / "cat.png"
-    make_images(1, seed=5)[0][0].save(image)
-    argv = [arg.format(out=tmp_path / "out", image=image) for arg in argv]
+def test_unconnected_ranks_of_evaluate_are_refused(trained_run, cli_env, tmp_path):
+    """torchrun without --cpu on a machine without a GPU (as a multi-GPU profile would start them) gives two
+    unconnected ranks, each of which would evaluate everything and write the same report."""
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
     env = {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    model = [] if module == "compare" else ["--model", str(trained_run)]  # compare trains its own
-    proc = run_cli([*model, *argv], env, module=f"cifar_accel.{module}", launcher=torchrun)
+    proc = run_cli(["--model", str(trained_run), "--output_dir", str(tmp_path / "out")], env,
+                   module="cifar_accel.evaluate", launcher=torchrun)  # fmt: skip
     assert proc.returncode != 0
     errors = [error for error in proc.stderr.splitlines() if error.startswith("error: ")]
-    assert 1 <= len(errors) <= 2 and set(errors) == {f"error: {line}"}  # one per rank, unless torchrun stops one
-    assert "top_k" not in proc.stdout and "cat.png" not in proc.stdout
-    assert not list(tmp_path.glob("out*"))
+    line = (
+        "error: 2 processes were started but they are not connected into one process group; this machine has no "
+        "GPU for a multi-GPU launch to join them with; launch with 'torchrun --nproc_per_node N -m "
+        "cifar_accel.evaluate --cpu'"
+    )
+    assert 1 <= len(errors) <= 2 and set(errors) == {line}  # one per rank, unless torchrun stops the other first
+    assert "accuracy" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        (predict, ["--model", "{run}", "{image}"]),
+        (export, ["--model", "{run}", "--format", "pt2", "--output", "{out}.pt2"]),
+        (compare, ["--output_dir", "{out}", "--dataset_name", "{data}"]),
+    ],
+)
+def test_commands_of_one_process_refuse_a_launch_of_two(
+    trained_run, tiny_dataset, tmp_path, monkeypatch, capsys, command, argv
+):
+    """predict and export work in one process, and compare starts its runs' processes itself: each copy that a
+    launcher starts (it sets WORLD_SIZE, here 2) would print and write everything again."""
+    image = tmp_path / "cat.png"
+    make_images(1, seed=5)[0][0].save(image)
+    argv = [arg.format(run=trained_run, image=image, out=tmp_path / "out", data=tiny_dataset) for arg in argv]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_main(command.main, argv) == 2
+    out, err = capsys.readouterr()
+    name = command.__name__
+    assert err == f"error: {name} runs in one process, and 2 were started; run it with 'python -m {name}'\n"
+    assert out == "" and not list(tmp_path.glob("out*"))
 
 
 def test_the_documented_python_example_runs_and_agrees_with_the_model(trained_run, tmp_path, monkeypatch, capsys):

@@ -298,8 +298,8 @@ int flock(int fd, int operation) {
 
 def test_a_folder_on_a_filesystem_without_locks_trains_with_a_warning(tiny_dataset, cli_env, tmp_path):
     """Lustre mounted without -o flock answers flock with ENOSYS; the C library's flock is replaced (LD_PRELOAD) to
-    answer so for the output folder only. The run and a comparison warn once and finish; the old code stopped with
-    "OSError: [Errno 38] Function not implemented"."""
+    answer so for the output folder only. The run warns once and finishes (compare takes the same lock); the old
+    code stopped with "OSError: [Errno 38] Function not implemented"."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("needs a C compiler")
@@ -314,10 +314,6 @@ def test_a_folder_on_a_filesystem_without_locks_trains_with_a_warning(tiny_datas
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(warning) == 1 and proc.stderr == ""
     assert read_results(lustre / "run")["epochs_completed"] == 1
-    argv = ["--output_dir", str(lustre / "cmp"), "--precisions", "no", "--dataset_name", str(tiny_dataset)]
-    report = run_subprocess([*argv, "--num_train_epochs", "1"], env, module="cifar_accel.compare")
-    assert report.returncode == 0, report.stderr
-    assert warning in report.stdout and (lustre / "cmp" / "report.json").is_file()
 
 
 # 3. A checkpoint is complete or refused.
