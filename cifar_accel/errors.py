@@ -143,6 +143,13 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
         sys.stdout = stdout
 
 
+def print_error(line: str) -> None:
+    """``line`` on stderr in one write: processes that fail together (the ranks of one run, sharing the launcher's
+    stderr) then never run their lines together, as print's separate write of the newline let them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     keep_stderr_for_errors()
@@ -154,24 +161,24 @@ def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None
     except InputError as err:
         if debug:
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print_error(f"error: {one_line(err)}")
         return 2
     except RunFault as err:
         if debug:
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print_error(f"error: {one_line(err)}")
         return 1
     except Stopped as stop:
-        print(one_line(stop), file=sys.stderr)
+        print_error(one_line(stop))
         return stop.exit_code
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted", file=sys.stderr)
+        print_error("error: interrupted")
         return 130
     except Exception as err:  # noqa: BLE001 - every other fault is a run-time fault
         if debug:
             raise
-        print(f"error: {type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
+        print_error(f"error: {type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)")
         return 1
     return 0

@@ -28,7 +28,7 @@ from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import InputError, RunFault, run_cli
+from cifar_accel.errors import MAX_ERROR_CHARACTERS, InputError, RunFault, run_cli
 from cifar_accel.inference import load_model
 from cifar_accel.outputs import REPLACED_RUN, OutputDirLock
 from cifar_accel.state import TrainerState
@@ -734,6 +734,27 @@ def test_warnings_go_to_stdout_and_stderr_keeps_the_error_line(cli_env):
     assert proc.returncode == 2
     assert proc.stderr == "error: the one line\n"
     assert "UserWarning: a library says something" in proc.stdout
+
+
+def test_the_error_line_is_one_write_so_the_lines_of_ranks_that_fail_together_stay_apart(cli_env):
+    """Ranks that fail at once share the launcher's stderr. print wrote the newline in a write of its own, and two
+    ranks' lines ran together into one ("...--cpu'error: 2 processes..."); one write of a line shorter than the
+    pipe's atomic size (4096 bytes) cannot be split by another process's. Every write to stderr is recorded."""
+    program = (
+        "import json, os, sys; from cifar_accel.errors import InputError, run_cli\n"
+        "writes = []\n"
+        "class Recorder:\n"
+        "    def write(self, text): writes.append(text); return len(text)\n"
+        "    def flush(self): pass\n"
+        "def main(argv): raise InputError('x' * 5000)\n"
+        "sys.stderr = Recorder()\n"
+        "code = run_cli(main)\n"
+        "os.write(1, json.dumps(writes).encode()); sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], env=cli_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    (line,) = json.loads(proc.stdout)
+    assert line == "error: " + "x" * MAX_ERROR_CHARACTERS + "...\n" and len(line.encode()) < 4096
 
 
 # 9. Signals at any moment.
