@@ -722,39 +722,30 @@ def test_exif_orientation_is_applied_and_reported(tmp_path):
 # 8. One line means one line.
 
 
-def test_warnings_go_to_stdout_and_stderr_keeps_the_error_line(cli_env):
+def test_warnings_go_to_stdout_and_stderr_gets_the_error_line_in_one_write(cli_env):
+    """stderr keeps the one error line; a library's warning goes to stdout. The line is one write: ranks that fail
+    at once share the launcher's stderr, and print, which wrote the newline in a write of its own, let two ranks'
+    lines run together ("...--cpu'error: 2 processes..."). A write under the pipe's atomic 4096 bytes cannot be
+    split by another process's. Every write to stderr is recorded and passed on."""
     program = (
-        "import sys, warnings; from cifar_accel.errors import InputError, run_cli\n"
+        "import json, sys, warnings; from cifar_accel.errors import InputError, run_cli\n"
+        "writes, stderr = [], sys.stderr\n"
+        "class Recorder:\n"
+        "    def write(self, text): writes.append(text); return stderr.write(text)\n"
+        "    def flush(self): stderr.flush()\n"
         "def main(argv):\n"
         "    warnings.warn('a library says something', UserWarning)\n"
-        "    raise InputError('the one line')\n"
-        "sys.exit(run_cli(main))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", program], env=cli_env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr == "error: the one line\n"
-    assert "UserWarning: a library says something" in proc.stdout
-
-
-def test_the_error_line_is_one_write_so_the_lines_of_ranks_that_fail_together_stay_apart(cli_env):
-    """Ranks that fail at once share the launcher's stderr. print wrote the newline in a write of its own, and two
-    ranks' lines ran together into one ("...--cpu'error: 2 processes..."); one write of a line shorter than the
-    pipe's atomic size (4096 bytes) cannot be split by another process's. Every write to stderr is recorded."""
-    program = (
-        "import json, os, sys; from cifar_accel.errors import InputError, run_cli\n"
-        "writes = []\n"
-        "class Recorder:\n"
-        "    def write(self, text): writes.append(text); return len(text)\n"
-        "    def flush(self): pass\n"
-        "def main(argv): raise InputError('x' * 5000)\n"
+        "    raise InputError('the one line ' + 'x' * 5000)\n"
         "sys.stderr = Recorder()\n"
         "code = run_cli(main)\n"
-        "os.write(1, json.dumps(writes).encode()); sys.exit(code)\n"
+        "print(json.dumps(writes)); sys.exit(code)\n"
     )
     proc = subprocess.run([sys.executable, "-c", program], env=cli_env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    (line,) = json.loads(proc.stdout)
-    assert line == "error: " + "x" * MAX_ERROR_CHARACTERS + "...\n" and len(line.encode()) < 4096
+    line = "error: " + ("the one line " + "x" * 5000)[:MAX_ERROR_CHARACTERS] + "...\n"
+    assert proc.stderr == line and len(line.encode()) < 4096
+    assert json.loads(proc.stdout.splitlines()[-1]) == [line]
+    assert "UserWarning: a library says something" in proc.stdout
 
 
 # 9. Signals at any moment.
