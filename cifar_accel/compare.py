@@ -7,9 +7,9 @@ write a report.
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
 an interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes
-on where it was when started again (SIGINT or SIGTERM
-stops the runs in training at a checkpoint and starts no more). ``--jobs N``
-trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The report
+on where it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no
+more). ``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in
+``<precision>_seed<seed>.log``. The report
 is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It
 gives each seed's test accuracy with and without test-time augmentation and its training time, their mean, std,

@@ -34,8 +34,6 @@ PREPROCESSING_FILE = "preprocessing.json"  # the input normalisation (transforms
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"  # the trackers' files: TensorBoard's events under logs/<project_name>/
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
-# flock's errors where the filesystem has no locks: Lustre mounted without -o flock, an NFS without its lock service.
-NO_FILE_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
 DISCARDED_PREFIX = ".discarded-run-"  # a set-aside run being deleted (renamed first, so the deletion is all or none)
 CARD_FILE = "README.md"  # the model card (card.py); a README.md without CARD_MARK is the user's and left alone
@@ -169,6 +167,10 @@ def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
         raise RunFault(f"writing {path} failed ({err.strerror or err}); {fix_for(err)}") from None
     finally:
         temporary.unlink(missing_ok=True)  # already renamed, unless something failed
+
+
+# flock's errors where the filesystem has no locks: Lustre mounted without -o flock, an NFS without its lock service.
+NO_FILE_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 class OutputDirLock:

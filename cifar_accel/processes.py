@@ -32,8 +32,9 @@ def check_joined(accelerator: Accelerator, command: str) -> None:
 def require_one_process(command: str) -> None:
     """Commands that work in one process (compare starts its runs' processes itself) refuse a multi-process
     launch, whose copies would each write the same output."""
-    if launched_processes() > 1:
+    processes = launched_processes()
+    if processes > 1:
         raise InputError(
-            f"cifar_accel.{command} runs in one process, and {launched_processes()} were started; "
+            f"cifar_accel.{command} runs in one process, and {processes} were started; "
             f"run it with 'python -m cifar_accel.{command}'"
         )
