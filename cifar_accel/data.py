@@ -367,16 +367,39 @@ def load_split(
     label_column: str | None,
     max_samples: int | None,
     split_flag: str = "--split",
+    classes: list[str] | None = None,
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
-    is the flag that named the split (evaluate's by default)."""
+    is the flag that named the split (evaluate's by default). Given a model's ``classes``, the labels become indices
+    of those instead: matched by name where the label column names its classes, taken as they are where it holds
+    numbers."""
     raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag)
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split)
-    class_names = class_names_of(raw[split].features[label_column], tensors.labels)
-    check_labels(split, tensors, len(class_names))
-    return tensors, class_names
+    feature = raw[split].features[label_column]
+    if classes is None:
+        classes = class_names_of(feature, tensors.labels)
+    elif isinstance(feature, datasets.ClassLabel) and feature.names != classes:
+        tensors = labels_by_name(tensors, feature.names, classes, split)
+    check_labels(split, tensors, len(classes))
+    return tensors, classes
+
+
+def labels_by_name(split: Split, names: list[str], classes: list[str], split_name: str) -> Split:
+    """``split``, whose labels index ``names``, with each label turned into the index of its name in ``classes``; a
+    class of the split that ``classes`` does not have is refused in one line."""
+    check_labels(split_name, split, len(names))
+    unknown = [names[i] for i in split.labels.unique().tolist() if names[i] not in classes]
+    if unknown:
+        listed = ", ".join(repr(name) for name in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        known = ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else "")
+        raise InputError(
+            f"the '{split_name}' split has images of classes the model does not know ({listed}); its "
+            f"{len(classes)} classes are {known}: name the split's classes as the model does, or leave those images out"
+        )
+    index = torch.tensor([classes.index(name) if name in classes else -1 for name in names])
+    return Split(split.images, index[split.labels])
 
 
 def split_indices(size: int, val_ratio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from cifar_accel.config import Precision, TestTimeAugmentation, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, InputError, non_empty, run_cli
+from cifar_accel.errors import ArgumentParser, non_empty, run_cli
 from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, writable_output_dir, write_atomic
@@ -129,17 +129,13 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     check_joined(accelerator, "evaluate")
     warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
-        split, class_names = load_split(
+        split, _ = load_split(
             args.dataset_name or run.dataset_name,
             args.split,
             args.image_column_name or run.image_column_name,
             args.label_column_name or run.label_column_name,
             args.max_eval_samples,
-        )
-    if len(class_names) != len(trained.class_names):
-        raise InputError(
-            f"the model has {len(trained.class_names)} classes but the '{args.split}' split has {len(class_names)}; "
-            "evaluate on a dataset with the classes the model was trained on"
+            classes=trained.class_names,
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))

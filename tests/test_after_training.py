@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from cifar_accel import compare, export, predict
+from cifar_accel import evaluate as evaluate_command
 from cifar_accel.data import load_split
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
@@ -118,6 +119,53 @@ def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_e
 
     table = run_cli(["--model", str(trained_run), str(files[3])], cli_env, module="cifar_accel.predict")
     assert table.returncode == 0 and "(converted from RGB 57x41 to RGB 32x32)" in table.stdout
+
+
+def test_evaluate_counts_each_image_for_its_own_class_whatever_the_splits_class_order(
+    trained_run, tiny_dataset, tmp_path, capsys
+):
+    """The run's test images with the class order reversed, as an image folder of two of the classes, and with
+    plain numbers for labels: each image counts for the model's class of the same name (of the same number). A class
+    the model does not know is refused in one line, and nothing is written."""
+
+    def metrics(dataset: Path, *extra: str) -> dict:
+        out = tmp_path / f"eval_{dataset.name}{len(extra)}"
+        argv = ["--model", str(trained_run), "--dataset_name", str(dataset), "--output_dir", str(out), *extra]
+        assert run_main(evaluate_command.main, argv) == 0, capsys.readouterr().err
+        return json.loads((out / "metrics.json").read_text())
+
+    test = datasets.load_dataset(str(tiny_dataset), split="test")
+    own = metrics(tiny_dataset)
+    assert own["accuracy"] == read_results(trained_run)["test_accuracy"]
+
+    reversed_names = datasets.ClassLabel(names=CLASS_NAMES[::-1])
+    flipped = test.map(lambda row: {"label": 9 - row["label"]}).cast_column("label", reversed_names)
+    flipped.to_parquet(tmp_path / "reversed" / "data" / "test-00000-of-00001.parquet")
+    assert metrics(tmp_path / "reversed")["confusion_matrix"] == own["confusion_matrix"]
+
+    for row in test:  # the images of classes 1 and 3 only, in an image folder: the imagefolder loader names them
+        if row["label"] in (1, 3):
+            folder = tmp_path / "two" / "test" / CLASS_NAMES[row["label"]]
+            folder.mkdir(parents=True, exist_ok=True)
+            row["img"].save(folder / f"{len(list(folder.iterdir()))}.png")
+    two = metrics(tmp_path / "two")
+    assert two["confusion_matrix"] == [
+        row if i in (1, 3) else [0] * 10 for i, row in enumerate(own["confusion_matrix"])
+    ]
+    assert two["samples"] == sum(own["per_class"][i]["total"] for i in (1, 3)) > 0
+
+    test.cast_column("label", datasets.Value("int64")).to_parquet(tmp_path / "numbers" / "data" / "test.parquet")
+    few = metrics(tmp_path / "numbers", "--max_eval_samples", "5")  # 5 images: classes 0 to 4 only
+    assert few["confusion_matrix"] == metrics(tiny_dataset, "--max_eval_samples", "5")["confusion_matrix"]
+
+    (tmp_path / "two" / "test" / CLASS_NAMES[3]).rename(tmp_path / "two" / "test" / "lorry")
+    out = tmp_path / "unknown"
+    argv = ["--model", str(trained_run), "--dataset_name", str(tmp_path / "two"), "--output_dir", str(out)]
+    capsys.readouterr()
+    assert run_main(evaluate_command.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the 'test' split has images of classes the model does not know ('lorry'); its 10 ")
+    assert err.count("\n") == 1 and not out.exists()
 
 
 def test_many_images_go_through_the_network_in_evaluation_batches(trained_run):
