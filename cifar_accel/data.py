@@ -113,6 +113,7 @@ def load_raw(
     """``datasets.load_dataset`` with failures turned into one actionable line; ``splits`` must be present (where
     ``split_flag`` chose them, that flag is the fix named when one is not)."""
     check_dataset_path(dataset_name)
+    datasets.disable_progress_bars()  # they write to stderr, which the commands keep for their one error line
     try:
         raw = datasets.load_dataset(
             str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name

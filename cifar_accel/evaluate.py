@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
 from accelerate import Accelerator
 
 from cifar_accel.config import Precision, TestTimeAugmentation, check_field
@@ -112,7 +111,6 @@ def main(argv: Sequence[str]) -> None:
         if getattr(args, flag) is not None:
             check_field(flag, getattr(args, flag), f"--{flag}")
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
-    datasets.disable_progress_bars()
     trained = load_model(args.model)
     with writable_output_dir(
         Path(args.output_dir or output_beside(trained.weights, f"eval_{args.split}"))

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -485,7 +484,6 @@ def main(
     if int(os.environ.get("RANK", "0")) == 0:
         for name in ("cifar_accel", __name__):  # __name__ is __main__ under `python -m`
             logging.getLogger(name).setLevel(logging.INFO)
-    datasets.disable_progress_bars()  # they write to stderr; decoding is logged instead
     keep_freed_memory()
     run_training(config, precision_source, train_pipeline, bookkeeper_type)
 

@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 
-import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -183,7 +182,6 @@ def main() -> None:
     parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
     args = parser.parse_args()
     keep_freed_memory()  # as training does
-    datasets.disable_progress_bars()
     config = recipe(args.config, args.model, args.dataset_name, args.batch_size)
     chapter_recipe = config == recipe("default", "simple_cnn", args.dataset_name, args.batch_size or 64)
     precisions = args.precisions or (["no", "bf16"] if native_bf16() else ["no"])

@@ -67,12 +67,18 @@ def test_pt2_export_takes_float_images_in_the_unit_range(cifar100_run, cifar100_
     assert not (cifar100_run / "model.pt2").exists()  # written where --output says only
 
 
-def test_an_export_beside_a_readme_of_the_users_keeps_it_and_lists_nothing_in_it(cifar100_run, cli_env, tmp_path):
+def test_an_export_beside_a_readme_of_the_users_keeps_it_and_leaves_stderr_empty(
+    cifar100_run, cifar100_dataset, cli_env, tmp_path
+):
+    """stderr is kept for the error line: loading a check dataset that is not in the datasets cache yet writes
+    none of datasets' progress bars there."""
     run = tmp_path / "run"
     shutil.copytree(cifar100_run, run)
     (run / "README.md").write_text("# my notes\n")
-    proc = export(run, cli_env, "--format", "pt2")
-    assert proc.returncode == 0, proc.stderr
+    fresh = shutil.copytree(cifar100_dataset, tmp_path / "copy")  # a new path: prepared anew by `datasets`
+    with_bars = {k: v for k, v in cli_env.items() if k != "TQDM_DISABLE"}  # as a user's shell has it
+    proc = export(run, with_bars, "--format", "pt2", "--check_dataset", str(fresh))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert (run / "model.pt2").is_file() and (run / "model.pt2.json").is_file()
     assert (run / "README.md").read_text() == "# my notes\n"
     assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
