@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 
 IMAGE_SIZE = 32
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-LOCAL_COPY_HINT = "pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
+
+
+def local_copy_hint(dataset_flag: str) -> str:
+    return f"pass {dataset_flag} with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
 
 @dataclass
@@ -73,10 +76,11 @@ def data_signature(data: CifarData) -> str:
     return digest.hexdigest()
 
 
-def check_dataset_path(dataset_name: str) -> None:
-    """Refuse a local dataset path that does not exist or is a file, before any work starts."""
+def check_dataset_path(dataset_name: str, dataset_flag: str = "--dataset_name") -> None:
+    """Refuse a local dataset path that does not exist or is a file, before any work starts; ``dataset_flag`` is the
+    flag that named it."""
     if looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
-        raise InputError(f"dataset path '{dataset_name}' does not exist; {LOCAL_COPY_HINT}")
+        raise InputError(f"dataset path '{dataset_name}' does not exist; {local_copy_hint(dataset_flag)}")
     if looks_like_path(dataset_name) and Path(dataset_name).expanduser().is_file():
         raise InputError(
             f"dataset path '{dataset_name}' is a file; pass the dataset's folder (Hub layout: data/train-*.parquet; "
@@ -108,18 +112,23 @@ def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault
 
 
 def load_raw(
-    dataset_name: str, splits: tuple[str, ...] = ("train", "test"), split_flag: str | None = None
+    dataset_name: str,
+    splits: tuple[str, ...] = ("train", "test"),
+    split_flag: str | None = None,
+    dataset_flag: str = "--dataset_name",
 ) -> datasets.DatasetDict:
     """``datasets.load_dataset`` with failures turned into one actionable line; ``splits`` must be present (where
-    ``split_flag`` chose them, that flag is the fix named when one is not)."""
-    check_dataset_path(dataset_name)
+    ``split_flag`` chose them, that flag is the fix named when one is not). ``dataset_flag`` named the dataset."""
+    check_dataset_path(dataset_name, dataset_flag)
     datasets.disable_progress_bars()  # they write to stderr, which the commands keep for their one error line
     try:
         raw = datasets.load_dataset(
             str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name
         )
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
-        raise InputError(f"cannot load dataset '{dataset_name}' ({err}); offline, {LOCAL_COPY_HINT}") from None
+        raise InputError(
+            f"cannot load dataset '{dataset_name}' ({err}); offline, {local_copy_hint(dataset_flag)}"
+        ) from None
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
         fault = datasets_cache_fault(err, f"preparing dataset '{dataset_name}'")
         if fault:
@@ -268,10 +277,12 @@ def check_label_values(dataset: datasets.Dataset, label_column: str, split: str)
         raise InputError(f"{split} label {index} (column '{label_column}') {problem}; fix that row or the column")
 
 
-def decode_split(dataset: datasets.Dataset, image_column: str, label_column: str, split: str) -> Split:
+def decode_split(
+    dataset: datasets.Dataset, image_column: str, label_column: str, split: str, dataset_flag: str = "--dataset_name"
+) -> Split:
     """One split as uint8 tensors; the decoded copy is cached by `datasets`."""
     if len(dataset) == 0:
-        raise InputError(f"the '{split}' split is empty; point --dataset_name at a dataset with images in it")
+        raise InputError(f"the '{split}' split is empty; point {dataset_flag} at a dataset with images in it")
     check_label_values(dataset, label_column, split)
     dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
     features = datasets.Features(
@@ -368,16 +379,17 @@ def load_split(
     label_column: str | None,
     max_samples: int | None,
     split_flag: str = "--split",
+    dataset_flag: str = "--dataset_name",
     classes: list[str] | None = None,
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
-    is the flag that named the split (evaluate's by default). Given a model's ``classes``, the labels become indices
-    of those instead: matched by name where the label column names its classes, taken as they are where it holds
-    numbers."""
-    raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag)
+    and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
+    ``classes``, the labels become indices of those instead: matched by name where the label column names its
+    classes, taken as they are where it holds numbers."""
+    raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     dataset = first_rows(raw[split], max_samples)
-    tensors = decode_split(dataset, image_column, label_column, split)
+    tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
     feature = raw[split].features[label_column]
     if classes is None:
         classes = class_names_of(feature, tensors.labels)

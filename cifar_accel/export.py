@@ -162,6 +162,12 @@ def build_parser() -> ArgumentParser:
         "--check_dataset", type=non_empty, help="The dataset whose images check the export (default: the run's own)."
     )
     parser.add_argument("--check_split", type=non_empty, default="test", help="Its split (default: test).")
+    parser.add_argument(
+        "--image_column_name", type=non_empty, help="Its image column; default: the run's, else found by type."
+    )
+    parser.add_argument(
+        "--label_column_name", type=non_empty, help="Its label column; default: the run's, else found by type."
+    )
     parser.add_argument("--check_samples", type=int, help="Check on the split's first N images (default: all of them).")
     parser.add_argument(
         "--tolerance",
@@ -201,10 +207,11 @@ def main(argv: Sequence[str]) -> None:
         split, _ = load_split(
             dataset,
             args.check_split,
-            config.image_column_name,
-            config.label_column_name,
+            args.image_column_name or config.image_column_name,
+            args.label_column_name or config.label_column_name,
             args.check_samples,
             split_flag="--check_split",
+            dataset_flag="--check_dataset",
         )
         images = split.images
 
