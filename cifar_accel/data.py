@@ -354,7 +354,12 @@ def class_names_of(label_feature: datasets.features.FeatureType, labels: torch.T
     """Names from a ClassLabel feature, else the label numbers 0..max."""
     if isinstance(label_feature, datasets.ClassLabel):
         return list(label_feature.names)
-    return [str(i) for i in range(int(labels.max()) + 1)]
+    return numbered(int(labels.max()) + 1)
+
+
+def numbered(count: int) -> list[str]:
+    """The class names of a label column of plain numbers: '0', '1', ..."""
+    return [str(i) for i in range(count)]
 
 
 def check_labels(split_name: str, split: Split, num_classes: int) -> None:
@@ -384,8 +389,8 @@ def load_split(
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
     and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
-    ``classes``, the labels become indices of those instead: matched by name where the label column names its
-    classes, taken as they are where it holds numbers."""
+    ``classes``, the labels become indices of those instead: matched by name where both name their classes, taken as
+    they are where either has numbers."""
     raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     dataset = first_rows(raw[split], max_samples)
@@ -393,7 +398,7 @@ def load_split(
     feature = raw[split].features[label_column]
     if classes is None:
         classes = class_names_of(feature, tensors.labels)
-    elif isinstance(feature, datasets.ClassLabel) and feature.names != classes:
+    elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes))
     return tensors, classes

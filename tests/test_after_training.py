@@ -125,12 +125,12 @@ def test_evaluate_counts_each_image_for_its_own_class_whatever_the_splits_class_
     trained_run, tiny_dataset, tmp_path, capsys
 ):
     """The run's test images with the class order reversed, as an image folder of two of the classes, and with
-    plain numbers for labels: each image counts for the model's class of the same name (of the same number). A class
-    the model does not know is refused in one line, and nothing is written."""
+    plain numbers for labels: each image counts for the model's class of the same name (of the same number, also for
+    a model trained on numbers). A class the model does not know is refused in one line, and nothing is written."""
 
-    def metrics(dataset: Path, *extra: str) -> dict:
-        out = tmp_path / f"eval_{dataset.name}{len(extra)}"
-        argv = ["--model", str(trained_run), "--dataset_name", str(dataset), "--output_dir", str(out), *extra]
+    def metrics(dataset: Path, *extra: str, model: Path = trained_run) -> dict:
+        out = tmp_path / f"eval_{model.name}_{dataset.name}{len(extra)}"
+        argv = ["--model", str(model), "--dataset_name", str(dataset), "--output_dir", str(out), *extra]
         assert run_main(evaluate_command.main, argv) == 0, capsys.readouterr().err
         return json.loads((out / "metrics.json").read_text())
 
@@ -157,6 +157,12 @@ def test_evaluate_counts_each_image_for_its_own_class_whatever_the_splits_class_
     test.cast_column("label", datasets.Value("int64")).to_parquet(tmp_path / "numbers" / "data" / "test.parquet")
     few = metrics(tmp_path / "numbers", "--max_eval_samples", "5")  # 5 images: classes 0 to 4 only
     assert few["confusion_matrix"] == metrics(tiny_dataset, "--max_eval_samples", "5")["confusion_matrix"]
+
+    numbered_run = tmp_path / "numbered_run"  # trained on numbers, so its classes are '0' to '9'
+    shutil.copy(tmp_path / "numbers" / "data" / "test.parquet", tmp_path / "numbers" / "data" / "train.parquet")
+    assert train_in_process(tiny_args(tmp_path / "numbers", numbered_run, "--num_train_epochs", "1")) == 0
+    by_number = metrics(tiny_dataset, model=numbered_run)  # named classes: taken by number
+    assert by_number["accuracy"] == read_results(numbered_run)["test_accuracy_no_tta"]
 
     (tmp_path / "two" / "test" / CLASS_NAMES[3]).rename(tmp_path / "two" / "test" / "lorry")
     out = tmp_path / "unknown"
