@@ -79,16 +79,24 @@ class _StdoutHandler(logging.Handler):
 
 def keep_stderr_for_errors() -> None:
     """Send what libraries would print on stderr to stdout instead: Python warnings (torch's, PIL's, ...) as
-    log lines, and the log handlers that `datasets`, `evaluate` and `huggingface_hub` install for themselves."""
+    log lines, and the log handlers that `datasets`, `evaluate`, `huggingface_hub` and torch (its compiler's
+    warnings) install for themselves."""
     logging.captureWarnings(True)
     warnings_logger = logging.getLogger("py.warnings")
     if not any(isinstance(h, _StdoutHandler) for h in warnings_logger.handlers):
         warnings_logger.addHandler(_StdoutHandler())
         warnings_logger.propagate = False
-    for name in ("datasets", "evaluate", "huggingface_hub"):
-        for handler in logging.getLogger(name).handlers:
+    libraries = ("datasets", "evaluate", "huggingface_hub", "torch")
+    for name in [n for n in logging.root.manager.loggerDict if n.split(".")[0] in libraries]:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
             if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
                 handler.setStream(sys.stdout)
+            elif getattr(handler, "stream", None) is sys.stderr:  # torch's, which looks up sys.stderr as it writes
+                replacement = _StdoutHandler(handler.level)
+                replacement.setFormatter(handler.formatter)
+                logger.removeHandler(handler)
+                logger.addHandler(replacement)
 
 
 def report_thread_failure(args: threading.ExceptHookArgs) -> None:

@@ -723,18 +723,20 @@ def test_exif_orientation_is_applied_and_reported(tmp_path):
 
 
 def test_warnings_go_to_stdout_and_stderr_gets_the_error_line_in_one_write(cli_env):
-    """stderr keeps the one error line; a library's warning goes to stdout. The line is one write: ranks that fail
-    at once share the launcher's stderr, and print, which wrote the newline in a write of its own, let two ranks'
-    lines run together ("...--cpu'error: 2 processes..."). A write under the pipe's atomic 4096 bytes cannot be
-    split by another process's. Every write to stderr is recorded and passed on."""
+    """stderr keeps the one error line; a library's warning goes to stdout, and so does a log line of torch's,
+    which torch's own handler would write on stderr (torch.compile's "No CUDA runtime is found"). The line is one
+    write: ranks that fail at once share the launcher's stderr, and print, which wrote the newline in a write of its
+    own, let two ranks' lines run together ("...--cpu'error: 2 processes..."). A write under the pipe's atomic 4096
+    bytes cannot be split by another process's. Every write to stderr is recorded and passed on."""
     program = (
-        "import json, sys, warnings; from cifar_accel.errors import InputError, run_cli\n"
+        "import json, logging, sys, warnings; import torch; from cifar_accel.errors import InputError, run_cli\n"
         "writes, stderr = [], sys.stderr\n"
         "class Recorder:\n"
         "    def write(self, text): writes.append(text); return stderr.write(text)\n"
         "    def flush(self): stderr.flush()\n"
         "def main(argv):\n"
         "    warnings.warn('a library says something', UserWarning)\n"
+        "    logging.getLogger('torch.utils.cpp_extension').warning('torch says something')\n"
         "    raise InputError('the one line ' + 'x' * 5000)\n"
         "sys.stderr = Recorder()\n"
         "code = run_cli(main)\n"
@@ -746,6 +748,7 @@ def test_warnings_go_to_stdout_and_stderr_gets_the_error_line_in_one_write(cli_e
     assert proc.stderr == line and len(line.encode()) < 4096
     assert json.loads(proc.stdout.splitlines()[-1]) == [line]
     assert "UserWarning: a library says something" in proc.stdout
+    assert "<string>:8] torch says something" in proc.stdout  # in torch's own format
 
 
 # 9. Signals at any moment.
