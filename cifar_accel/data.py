@@ -154,6 +154,19 @@ IMAGE_SOURCE_DTYPES = ("string", "large_string", "binary", "large_binary")  # fi
 
 def find_columns(features: datasets.Features, image_column: str | None, label_column: str | None) -> tuple[str, str]:
     """The image and label column names: as given, or found from the feature types."""
+    image_column = find_image_column(features, image_column)
+    if label_column is None:
+        label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
+    if label_column not in features:
+        names = ", ".join(features)
+        raise InputError(
+            f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name"
+        )
+    return image_column, label_column
+
+
+def find_image_column(features: datasets.Features, image_column: str | None) -> str:
+    """The image column's name: as given, or found from the feature types."""
     names = ", ".join(features)
     if image_column is None:
         image_column = next((k for k, v in features.items() if isinstance(v, datasets.Image)), None)
@@ -169,13 +182,7 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
             f"image column '{image_column}' holds {held}, not images (Image columns: {', '.join(images) or 'none'}); "
             "fix --image_column_name"
         )
-    if label_column is None:
-        label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
-    if label_column not in features:
-        raise InputError(
-            f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name"
-        )
-    return image_column, label_column
+    return image_column
 
 
 # Larger images are refused before they are decoded: a 32x32 classifier needs no more, and a file that
@@ -386,14 +393,20 @@ def load_split(
     split_flag: str = "--split",
     dataset_flag: str = "--dataset_name",
     classes: list[str] | None = None,
+    labelled: bool = True,
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
     and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
     ``classes``, the labels become indices of those instead: matched by name where both name their classes, taken as
-    they are where either has numbers."""
+    they are where either has numbers. Not ``labelled``, only its images are read: every label is -1, as `datasets`
+    marks a row without one, and there are no class names."""
     raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
-    image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     dataset = first_rows(raw[split], max_samples)
+    if not labelled:
+        image_column = find_image_column(dataset.features, image_column)
+        dataset = dataset.select_columns([image_column]).add_column("label", [-1] * len(dataset))
+        return decode_split(dataset, image_column, "label", split, dataset_flag), []
+    image_column, label_column = find_columns(raw[split].features, image_column, label_column)
     tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
     feature = raw[split].features[label_column]
     if classes is None:

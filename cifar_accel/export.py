@@ -165,9 +165,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--image_column_name", type=non_empty, help="Its image column; default: the run's, else found by type."
     )
-    parser.add_argument(
-        "--label_column_name", type=non_empty, help="Its label column; default: the run's, else found by type."
-    )
     parser.add_argument("--check_samples", type=int, help="Check on the split's first N images (default: all of them).")
     parser.add_argument(
         "--tolerance",
@@ -208,10 +205,11 @@ def main(argv: Sequence[str]) -> None:
             dataset,
             args.check_split,
             args.image_column_name or config.image_column_name,
-            args.label_column_name or config.label_column_name,
+            None,
             args.check_samples,
             split_flag="--check_split",
             dataset_flag="--check_dataset",
+            labelled=False,  # the check compares predictions with load_model's, so any images will do
         )
         images = split.images
 

@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
+from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.data import load_split
@@ -67,18 +68,23 @@ def test_pt2_export_takes_float_images_in_the_unit_range(cifar100_run, cifar100_
     assert not (cifar100_run / "model.pt2").exists()  # written where --output says only
 
 
-def test_an_export_beside_a_readme_of_the_users_keeps_it_and_leaves_stderr_empty(
+def test_an_export_beside_a_readme_of_the_users_keeps_it_checks_on_unlabelled_photos_and_leaves_stderr_empty(
     cifar100_run, cifar100_dataset, cli_env, tmp_path
 ):
-    """stderr is kept for the error line: loading a check dataset that is not in the datasets cache yet writes
-    none of datasets' progress bars there."""
+    """The check needs images, not labels: a folder of photos will do. stderr is kept for the error line: loading
+    a check dataset that is not in the datasets cache yet writes none of datasets' progress bars there."""
     run = tmp_path / "run"
     shutil.copytree(cifar100_run, run)
     (run / "README.md").write_text("# my notes\n")
-    fresh = shutil.copytree(cifar100_dataset, tmp_path / "copy")  # a new path: prepared anew by `datasets`
+    photos = tmp_path / "photos" / "test"  # no class subfolders: the image folder has no label column
+    photos.mkdir(parents=True)
+    test, _ = load_split(str(cifar100_dataset), "test", None, "fine_label", 7)
+    for i, image in enumerate(test.images):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(photos / f"{i}.png")
     with_bars = {k: v for k, v in cli_env.items() if k != "TQDM_DISABLE"}  # as a user's shell has it
-    proc = export(run, with_bars, "--format", "pt2", "--check_dataset", str(fresh))
+    proc = export(run, with_bars, "--format", "pt2", "--check_dataset", str(photos.parent))
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert f"checked on 7 images of {photos.parent} (test): 7 predictions the same" in proc.stdout
     assert (run / "model.pt2").is_file() and (run / "model.pt2.json").is_file()
     assert (run / "README.md").read_text() == "# my notes\n"
     assert "README.md is not a model card of this package, so it is left as it is" in proc.stdout
@@ -112,8 +118,8 @@ def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, 
         (["--output", "{tmp}/missing/m.onnx"], "does not exist; create it first"),
         (["--check_dataset", "{tmp}/nowhere", "--output", "{tmp}/x.onnx"],
          "path '{tmp}/nowhere' does not exist; pass --check_dataset with a local copy"),
-        (["--label_column_name", "nope", "--output", "{tmp}/x.onnx"],
-         "label column 'nope' not found (columns: img, fine_label, coarse_label); name it with --label_column_name"),
+        (["--image_column_name", "nope", "--output", "{tmp}/x.onnx"],
+         "image column 'nope' not found (columns: img, fine_label, coarse_label); fix --image_column_name"),
         (["--check_samples", "0"], "--check_samples must be at least 1"),
         (["--check_split", "validation", "--output", "{tmp}/x.onnx"],
          "no 'validation' split (splits: train, test); pick one of them with --check_split"),
