@@ -393,20 +393,14 @@ def load_split(
     split_flag: str = "--split",
     dataset_flag: str = "--dataset_name",
     classes: list[str] | None = None,
-    labelled: bool = True,
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
     and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
     ``classes``, the labels become indices of those instead: matched by name where both name their classes, taken as
-    they are where either has numbers. Not ``labelled``, only its images are read: every label is -1, as `datasets`
-    marks a row without one, and there are no class names."""
+    they are where either has numbers."""
     raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
-    dataset = first_rows(raw[split], max_samples)
-    if not labelled:
-        image_column = find_image_column(dataset.features, image_column)
-        dataset = dataset.select_columns([image_column]).add_column("label", [-1] * len(dataset))
-        return decode_split(dataset, image_column, "label", split, dataset_flag), []
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
+    dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
     feature = raw[split].features[label_column]
     if classes is None:
@@ -415,6 +409,19 @@ def load_split(
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes))
     return tensors, classes
+
+
+def load_images(
+    dataset_name: str, split: str, image_column: str | None, max_samples: int | None, split_flag: str, dataset_flag: str
+) -> torch.Tensor:
+    """The images of one split of a dataset, (N, 3, 32, 32) uint8, whether it has labels or not (a folder of photos);
+    ``split_flag`` and ``dataset_flag`` are the flags that named the split and the dataset."""
+    raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
+    dataset = first_rows(raw[split], max_samples)
+    image_column = find_image_column(dataset.features, image_column)
+    # Decoding keeps a label column: -1 in every row, as `datasets` marks a row without a label.
+    dataset = dataset.select_columns([image_column]).add_column("label", [-1] * len(dataset))
+    return decode_split(dataset, image_column, "label", split, dataset_flag).images
 
 
 def labels_by_name(split: Split, names: list[str], classes: list[str], split_name: str) -> Split:

@@ -89,14 +89,11 @@ def keep_stderr_for_errors() -> None:
     libraries = ("datasets", "evaluate", "huggingface_hub", "torch")
     for name in [n for n in logging.root.manager.loggerDict if n.split(".")[0] in libraries]:
         logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
-                handler.setStream(sys.stdout)
-            elif getattr(handler, "stream", None) is sys.stderr:  # torch's, which looks up sys.stderr as it writes
-                replacement = _StdoutHandler(handler.level)
-                replacement.setFormatter(handler.formatter)
-                logger.removeHandler(handler)
-                logger.addHandler(replacement)
+        for handler in [h for h in logger.handlers if getattr(h, "stream", None) is sys.stderr]:
+            replacement = _StdoutHandler(handler.level)  # the same lines, in the library's format, on stdout
+            replacement.setFormatter(handler.formatter)
+            logger.removeHandler(handler)
+            logger.addHandler(replacement)
 
 
 def report_thread_failure(args: threading.ExceptHookArgs) -> None:

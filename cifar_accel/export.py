@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from cifar_accel.card import write_model_card
-from cifar_accel.data import load_split
+from cifar_accel.data import load_images
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
 from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, save_atomic, write_atomic
@@ -200,18 +200,14 @@ def main(argv: Sequence[str]) -> None:
     images = None
     if not args.skip_check:  # read before anything is written: a missing dataset leaves no export behind
         dataset = args.check_dataset or trained.config.dataset_name
-        config = trained.config
-        split, _ = load_split(
+        images = load_images(  # the check compares predictions with load_model's, so any images will do
             dataset,
             args.check_split,
-            args.image_column_name or config.image_column_name,
-            None,
+            args.image_column_name or trained.config.image_column_name,
             args.check_samples,
             split_flag="--check_split",
             dataset_flag="--check_dataset",
-            labelled=False,  # the check compares predictions with load_model's, so any images will do
         )
-        images = split.images
 
     normalization = trained.preprocess.normalization
     network = copy.deepcopy(trained.model).to(memory_format=torch.contiguous_format)
