@@ -214,12 +214,22 @@ def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
 def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
     """A PIL image as a (3, 32, 32) uint8 array: its EXIF orientation applied, converted to RGB and resized to
     32x32 (bilinear) where it is not. Returns the array and, when the image had to be converted, what it was (for
-    example 'L 64x48', or 'RGB 4032x3024, EXIF-rotated' for a phone photo)."""
+    example 'L 64x48', or 'RGB 4032x3024, EXIF-rotated' for a phone photo).
+
+    Two conversions are not PIL's ``convert("RGB")``, which keeps a pixel's number and drops its transparency:
+    16-bit greyscale (modes I;16 and I, as PIL opens 16-bit PNG, TIFF and PGM files) keeps its high byte, as PIL
+    reads 16-bit colour files, where PIL would clip every value above 255 to white; and transparent pixels are
+    laid over white, as Hugging Face's image processors do, where PIL would show the colour stored under them
+    (often black)."""
     original = f"{image.mode} {image.width}x{image.height}"
     rotated = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
     if rotated:
         image = ImageOps.exif_transpose(image)
         original += ", EXIF-rotated"
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8))
+    if image.has_transparency_data:
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     converted = rotated or image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)
     if converted:
         image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)

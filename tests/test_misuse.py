@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -717,6 +718,30 @@ def test_exif_orientation_is_applied_and_reported(tmp_path):
     assert original == "RGB 64x32, EXIF-rotated"
     top, bottom = pixels[:, :8].reshape(3, -1).mean(1), pixels[:, -8:].reshape(3, -1).mean(1)
     assert top[0] > 200 and top[2] < 60 and bottom[2] > 200  # rotated clockwise: the stored left is now on top
+
+
+def test_16_bit_and_transparent_images_keep_what_they_show(tmp_path):
+    """PIL's convert("RGB") clips 16-bit greyscale to white above 255 and shows the colour stored under transparent
+    pixels; a 16-bit scan or a cut-out PNG would be predicted, and trained on, as something else. Each file below
+    is written by PIL, read back through the decoder of training data and predict, and every pixel checked."""
+    ramp = np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64  # 0 to 65472
+    Image.fromarray(ramp).save(tmp_path / "scan16.png")
+    Image.fromarray(ramp).save(tmp_path / "scan16.tif")
+    cut_out = np.zeros((32, 32, 4), dtype=np.uint8)  # black where transparent, as editors store it
+    cut_out[8:24, 8:24] = (200, 40, 10, 255)
+    cut_out[0, :, 3] = 128  # a half-transparent black row
+    Image.fromarray(cut_out, "RGBA").save(tmp_path / "cut_out.png")
+    Image.new("RGB", (32, 32), (7, 8, 9)).save(tmp_path / "keyed.png", transparency=(7, 8, 9))  # PNG's tRNS colour
+    for name in ("scan16.png", "scan16.tif"):
+        pixels, original = to_rgb32(tmp_path / name)
+        assert original == "I;16 32x32"
+        assert all((channel == ramp >> 8).all() for channel in pixels)  # 0 to 255, one step every 4 pixels
+    pixels, original = to_rgb32(tmp_path / "cut_out.png")
+    assert original == "RGBA 32x32"
+    assert (pixels[:, 8:24, 8:24] == np.array([200, 40, 10]).reshape(3, 1, 1)).all()
+    assert (pixels[:, 1:8] == 255).all() and (pixels[:, 0] == 127).all()  # white behind, half of it through
+    pixels, original = to_rgb32(tmp_path / "keyed.png")
+    assert original == "RGB 32x32" and (pixels == 255).all()
 
 
 # 8. One line means one line.
