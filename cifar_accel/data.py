@@ -165,6 +165,17 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
     return image_column, label_column
 
 
+def named_classes(raw: datasets.DatasetDict, label_column: str) -> datasets.DatasetDict:
+    """``raw`` with a label column of class names (strings, as an image folder's metadata.csv has them) cast to a
+    ClassLabel of those names, sorted, the same in every split; any other label column as it is. (`datasets`'
+    ``class_encode_column`` would name each split's classes from that split alone.)"""
+    feature = next(iter(raw.values())).features[label_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        return raw
+    names = sorted({name for dataset in raw.values() for name in dataset.unique(label_column) if name is not None})
+    return raw.cast_column(label_column, datasets.ClassLabel(names=names))
+
+
 def find_image_column(features: datasets.Features, image_column: str | None) -> str:
     """The image column's name: as given, or found from the feature types."""
     names = ", ".join(features)
@@ -276,15 +287,10 @@ DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, i
 
 
 def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
-    """Labels must be whole class numbers: refuse empty cells, strings and fractions, naming the first row."""
-    feature = dataset.features[label_column]
-    if isinstance(feature, datasets.ClassLabel):
-        return
+    """Labels must be whole class numbers: refuse empty cells and fractions, naming the first row."""
     for index, label in enumerate(dataset.with_format("arrow")[label_column].to_pylist()):
         if label is None:
             problem = "is empty"
-        elif isinstance(label, str):
-            problem = f"is the string {label[:40]!r}; labels must be class numbers (or a ClassLabel column)"
         elif isinstance(label, float) and not label.is_integer():
             problem = f"is {label}, not a whole class number"
         elif not isinstance(label, int | float) or isinstance(label, bool):
@@ -410,6 +416,7 @@ def load_split(
     they are where either has numbers."""
     raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
     image_column, label_column = find_columns(raw[split].features, image_column, label_column)
+    raw = named_classes(raw, label_column)
     dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
     feature = raw[split].features[label_column]
@@ -464,6 +471,7 @@ def load_data(config: TrainConfig) -> CifarData:
     """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
     raw = load_raw(config.dataset_name)
     image_column, label_column = find_columns(raw["train"].features, config.image_column_name, config.label_column_name)
+    raw = named_classes(raw, label_column)
     train_raw = first_rows(raw["train"], config.max_train_samples)
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")

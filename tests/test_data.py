@@ -113,6 +113,28 @@ def test_an_image_folder_loads_with_folder_names_as_classes(tmp_path):
     assert sorted(data.test.labels.tolist()) == sorted(labels)
 
 
+def test_class_names_in_a_label_column_number_every_split_alike(tmp_path):
+    """An image folder's metadata.csv gives each image's class by name. The names of all splits, sorted, become one
+    ClassLabel, so a test split without birds numbers its cats as the train split does; evaluation matches them to
+    a model's classes by name."""
+    images, _ = make_images(12, seed=4)
+    names = {"train": ["cat", "dog", "bird"] * 3, "test": ["dog", "cat", "dog"]}
+    for split, classes in names.items():
+        folder = tmp_path / "meta" / split
+        folder.mkdir(parents=True)
+        rows = ["file_name,label"]
+        for index, name in enumerate(classes):
+            images[index].save(folder / f"{index}.png")
+            rows.append(f"{index}.png,{name}")
+        (folder / "metadata.csv").write_text("\n".join(rows) + "\n")
+    data = load_data(config_for(tmp_path / "meta", val_ratio=0.0))
+    assert data.class_names == ["bird", "cat", "dog"]
+    assert sorted(data.train.labels.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert data.test.labels.tolist() == [2, 1, 2]
+    split, classes = load_split(str(tmp_path / "meta"), "test", None, None, None, classes=["cat", "dog", "frog"])
+    assert classes == ["cat", "dog", "frog"] and split.labels.tolist() == [1, 0, 1]
+
+
 def test_a_missing_split_is_named_with_its_fix(tmp_path):
     root = tmp_path / "train_only"
     (root / "data").mkdir(parents=True)
