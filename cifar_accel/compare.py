@@ -1,20 +1,18 @@
-"""Compare precisions and seeds: train one config under each precision this machine supports and each seed, then
-write a report.
+"""Compare precisions and seeds: one config trained under each precision this machine supports and each seed.
 
     python -m cifar_accel.compare --dataset_name ../shared/data/cifar10-jpeg --num_train_epochs 5
     python -m cifar_accel.compare --config fast --precisions bf16 --seeds 0 1 2 --jobs 2   # seed statistics
 
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
-``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused,
-an interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes
-on where it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no
-more). ``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in
-``<precision>_seed<seed>.log``. The report is ``report.md`` (tables and plots), ``report.json`` (the same numbers)
-and PNG plots (with the ``plots`` extra): validation accuracy and training loss per epoch, epoch time and peak
-memory, and for fp16 the loss scale. It
-gives each seed's test accuracy with and without test-time augmentation and its training time, their mean, std,
-min and max, and the environment the runs recorded when they trained (a reused run may come from another
-invocation or machine): the CPU's model and flags, torch, the precision and each run's threads.
+``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused, an
+interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes on where
+it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no more).
+``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The
+report is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
+validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It gives each
+seed's test accuracy with and without test-time augmentation and its training time, their mean, std, min and max, and
+the environment the runs recorded when they trained (a reused run may come from another invocation or machine): the
+CPU's model and flags, torch, the precision and each run's threads.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The documents stay true to the code: the flag reference is generated from the config and current, and every
-relative link in the README and docs/ reaches a file, and a heading where it names one."""
+"""The documents stay true to the code: the flag reference is generated from the config and current, every
+relative link in the README and docs/ reaches a file, and a heading where it names one, and each command's --help
+opens with a whole sentence."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import write_results_table
 
+from cifar_accel import compare, config, evaluate, export, predict
 from cifar_accel.compare import results_table
 from cifar_accel.config import flag_reference
 
@@ -41,6 +43,13 @@ def test_every_relative_link_resolves(page):
         assert path.exists(), f"{page.name}: {link}"
         if anchor:
             assert anchor in anchors(path), f"{page.name}: {link}"
+
+
+@pytest.mark.parametrize("command", [config, evaluate, predict, export, compare], ids=lambda m: m.__name__)
+def test_each_commands_help_opens_with_a_whole_sentence(command):
+    """The description is the module docstring's first line; compare's once stopped at "..., then"."""
+    description = command.build_parser().description
+    assert re.fullmatch(r"[A-Z][^\n]{20,}\.", description), description
 
 
 def test_the_readme_is_a_short_guide():
