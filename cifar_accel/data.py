@@ -272,10 +272,11 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
         try:
             array, original = to_rgb32(io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"])
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for a broken file
-            raise InputError(
-                f"{split} image {index} (column '{image_column}') cannot be decoded ({type(err).__name__}: "
-                f"{one_line(err)[:200]}); fix or drop that row"
-            ) from None
+            where, fix = f"column '{image_column}'", "fix or drop that row"
+            if image["bytes"] is None:  # a row of an image folder is a file, which its row number would not find
+                where, fix = f"{where}, file {image['path']}", "fix or remove that file"
+            reason = f"{type(err).__name__}: {one_line(err)[:200]}"
+            raise InputError(f"{split} image {index} ({where}) cannot be decoded ({reason}); {fix}") from None
         pixels.append(array)
         converted.append(original is not None)
         channels = array.reshape(3, -1).astype(np.int64)

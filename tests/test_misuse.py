@@ -46,6 +46,7 @@ from conftest import (
     snapshot,
     tiny_args,
     train_in_process,
+    write_image_folder,
     write_split_files,
 )
 from conftest import run_cli as run_subprocess
@@ -640,6 +641,17 @@ def test_bad_rows_are_refused_naming_the_split_and_row(train_here, tmp_path, mak
     assert proc.returncode == 2
     assert words in one_error_line(proc)
     assert not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_a_broken_file_of_an_image_folder_is_named_by_its_path(train_here, tmp_path):
+    root = write_image_folder(tmp_path / "folder", ["cat", "dog"], {"train": 20, "test": 5})
+    broken = root / "train" / "dog" / "7.png"
+    broken.write_bytes(broken.read_bytes()[:100])
+    proc = train_here(tiny_args(root, tmp_path / "out"))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert f"(column 'image', file {broken}) cannot be decoded (OSError: " in line, line
+    assert line.endswith("; fix or remove that file")
 
 
 # 7. predict and evaluate.
