@@ -139,6 +139,12 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
         if not path.is_dir():
             raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder, 'latest' or 'auto'")
         if not (path / STATE_FILE).is_file():
+            # A run folder, or its checkpoints/ folder, named where one of its checkpoints was meant.
+            inside = complete_checkpoints(path if path.name != CHECKPOINTS_DIR else path.parent)
+            if inside:
+                raise InputError(
+                    f"'{spec}' holds checkpoints but is not one; pass one, such as the newest: {inside[-1]}"
+                )
             raise InputError(
                 f"checkpoint '{spec}' is incomplete (no {STATE_FILE}); resume from another one or 'latest'"
             )

@@ -62,6 +62,14 @@ def one_parquet_file(root: Path) -> Path:
     return next(root.glob("data/train-*.parquet"))
 
 
+def run_folder(root: Path) -> Path:
+    """A run folder with two checkpoints (as far as a lookup sees them), passed where one of them belongs."""
+    for step in (4, 8):
+        (root / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (root / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").write_text("{}")
+    return root
+
+
 def unknown_key_yaml(root: Path) -> Path:
     root.mkdir()
     (root / "c.yaml").write_text("num_epochs: 3\n")
@@ -99,6 +107,10 @@ CASES = [
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
     ("resume-missing", ["--dataset_name", "{data}", "--resume_from_checkpoint", "/nonexistent/ckpt"], 2,
      ["does not exist"]),
+    ("resume-run-folder", ["--dataset_name", "{data}", "--resume_from_checkpoint", "{made}"], 2,
+     ["holds checkpoints but is not one; pass one, such as the newest: ", "checkpoints/step_00000008"]),
+    ("resume-checkpoints-folder", ["--dataset_name", "{data}", "--resume_from_checkpoint", "{made}/checkpoints"], 2,
+     ["/checkpoints' holds checkpoints but is not one", "checkpoints/step_00000008"]),
     ("config-empty", ["--config", ""], 2, ["--config is empty", "leave --config out for the default recipe"]),
     ("nesterov-from-preset", ["--config", "fast", "--optimizer", "adam"], 2,
      ["Nesterov momentum ('nesterov' in the fast preset)", "but --optimizer is adam", "add --no-nesterov"]),
@@ -117,6 +129,8 @@ MAKERS = {
     "no-label-column": no_label_column,
     "no-image-column": no_image_column,
     "corrupt-image": corrupt_dataset,
+    "resume-run-folder": run_folder,
+    "resume-checkpoints-folder": run_folder,
     "empty-split": empty_test_split,
     "label-out-of-range": labels_out_of_range,
 }
