@@ -60,6 +60,12 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
+def checkpoints_within(folder: Path) -> list[Path]:
+    """The complete checkpoints of ``folder`` taken as a run folder, or as a run's checkpoints folder (named where
+    one checkpoint was meant), oldest first."""
+    return complete_checkpoints(folder if folder.name != CHECKPOINTS_DIR else folder.parent)
+
+
 def remove_partial_checkpoints(output_dir: str | Path) -> None:
     """Delete checkpoints whose writing was cut off (by a crash or a kill)."""
     root = checkpoint_dir(output_dir)
@@ -139,8 +145,7 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
         if not path.is_dir():
             raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder, 'latest' or 'auto'")
         if not (path / STATE_FILE).is_file():
-            # A run folder, or its checkpoints/ folder, named where one of its checkpoints was meant.
-            inside = complete_checkpoints(path if path.name != CHECKPOINTS_DIR else path.parent)
+            inside = checkpoints_within(path)
             if inside:
                 raise InputError(
                     f"'{spec}' holds checkpoints but is not one; pass one, such as the newest: {inside[-1]}"

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from cifar_accel.averaging import EMA_FILE
-from cifar_accel.checkpoint import STATE_FILE, validated_weights
+from cifar_accel.checkpoint import STATE_FILE, checkpoints_within, validated_weights
 from cifar_accel.config import TestTimeAugmentation, TrainConfig, read_config_file
 from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
@@ -159,6 +159,8 @@ def load_model(path: str | Path) -> TrainedModel:
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
         aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""
+        if path.is_dir() and checkpoints_within(path):  # a run still training, or stopped before its end
+            aside += f"; its newest checkpoint is {checkpoints_within(path)[-1]}"
         raise InputError(
             f"no model weights at '{weights}'{aside}; pass a run folder, a checkpoint folder or a .safetensors"
         )

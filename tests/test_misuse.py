@@ -719,6 +719,16 @@ def test_an_empty_name_is_refused_not_read_as_the_default_or_the_current_folder(
     assert line.startswith("error: argument ") and "must not be empty" in line
 
 
+def test_a_run_without_final_weights_names_its_newest_checkpoint(earlier_run):
+    """A run still training (or stopped before its end) has checkpoints but no model.safetensors yet."""
+    (earlier_run / "model.safetensors").unlink()
+    newest = complete_checkpoints(earlier_run)[-1]
+    for folder in (earlier_run, earlier_run / "checkpoints"):
+        with pytest.raises(InputError, match=f"no model weights at .*; its newest checkpoint is {newest}; pass"):
+            load_model(folder)
+    assert load_model(newest).predict(torch.zeros(1, 3, 32, 32, dtype=torch.uint8))
+
+
 def test_exif_orientation_is_applied_and_reported(tmp_path):
     """A phone stores a portrait photo as landscape pixels plus 'rotate 90 degrees' (orientation 6)."""
     image = Image.new("RGB", (64, 32), (0, 0, 255))
