@@ -32,7 +32,15 @@ from cifar_accel.card import write_model_card
 from cifar_accel.data import load_images
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
 from cifar_accel.inference import TrainedModel, load_model, output_beside
-from cifar_accel.outputs import EXPORT_FILES, RESULTS_FILE, WEIGHTS_FILE, save_atomic, write_atomic
+from cifar_accel.outputs import (
+    EXPORT_FILES,
+    RESULTS_FILE,
+    WEIGHTS_FILE,
+    json_keys,
+    refuse_foreign_files,
+    save_atomic,
+    write_atomic,
+)
 from cifar_accel.processes import require_one_process
 from cifar_accel.state import read_results
 from cifar_accel.transforms import Normalization
@@ -197,6 +205,9 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--output '{path}' is a folder or the weights themselves; name a new file")
     if not path.parent.is_dir():
         raise InputError(f"--output's folder '{path.parent}' does not exist; create it first")
+    description_file = path.with_name(path.name + ".json")
+    ours = {"format", "file", "weights"} <= json_keys(description_file)  # an earlier export's, replaced
+    refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")
     images = None
     if not args.skip_check:  # read before anything is written: a missing dataset leaves no export behind
         dataset = args.check_dataset or trained.config.dataset_name
@@ -244,7 +255,7 @@ def main(argv: Sequence[str]) -> None:
             f"predictions the same as load_model's, largest probability difference "
             f"{check['max_probability_difference']:.2e}"
         )
-    write_atomic(path.with_name(path.name + ".json"), json.dumps(description, indent=2))
+    write_atomic(description_file, json.dumps(description, indent=2))
     update_model_card(trained, path)
     logger.info(f"wrote {path} and {path.name}.json")
     if images is not None:

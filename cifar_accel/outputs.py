@@ -79,15 +79,18 @@ def _holds_something(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
-def refuse_foreign_files(folder: Path, names: Iterable[str], writer: str, ours: bool) -> None:
+def refuse_foreign_files(
+    folder: Path, names: Iterable[str], writer: str, ours: bool, flag: str = "--output_dir"
+) -> None:
     """Refuse ``folder`` if it holds any of ``names``, the files ``writer`` writes there, and they are not the
-    output of an earlier ``writer`` (``ours``): a user's own labels.json or metrics.json is never written over."""
+    output of an earlier ``writer`` (``ours``): a user's own labels.json or metrics.json is never written over.
+    ``flag`` is the option that chose where they go."""
     found = [f"{name}/" if (folder / name).is_dir() else name for name in names if _holds_something(folder / name)]
     if found and not ours:
         listing = " and ".join([", ".join(found[:-1]), found[-1]] if len(found) > 1 else found)
         raise InputError(
             f"'{folder}' already holds {listing}, which {writer} writes but did not write there; move "
-            f"{'it' if len(found) == 1 else 'them'}, or pick another --output_dir"
+            f"{'it' if len(found) == 1 else 'them'}, or pick another {flag}"
         )
 
 

@@ -103,6 +103,27 @@ def test_a_checkpoints_export_goes_beside_the_checkpoint_not_into_it(cifar100_ru
     assert sorted(p.name for p in checkpoint.iterdir()) == inside and (run / "README.md").read_text() == card
 
 
+def test_a_file_of_the_users_at_the_output_is_kept_and_an_earlier_export_replaced(cifar100_run, tmp_path, capsys):
+    """A model.pt2 (or its .json) that export did not write, a deployed model say, is refused and left as it is;
+    one whose description export wrote is an earlier export, and a new one replaces both."""
+    output = tmp_path / "served.pt2"
+    argv = ["--model", str(cifar100_run), "--format", "pt2", "--skip_check", "--output", str(output)]
+    for name in ("served.pt2", "served.pt2.json"):
+        (tmp_path / name).write_text("mine")
+        assert run_main(export_main, argv) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: '{tmp_path}' already holds {name}, which export writes but did not write there; move it, or "
+            "pick another --output"
+        )
+        assert (tmp_path / name).read_text() == "mine"
+        (tmp_path / name).unlink()
+    assert run_main(export_main, argv) == 0
+    first = output.read_bytes()
+    output.write_bytes(b"an earlier export")
+    assert run_main(export_main, argv) == 0
+    assert output.read_bytes() == first
+
+
 def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what `import onnxruntime` meets without the extra
     assert run_main(export_main, ["--model", str(cifar100_run), "--output", str(tmp_path / "m.onnx")]) == 2
