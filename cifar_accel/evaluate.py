@@ -18,11 +18,11 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from cifar_accel.config import Precision, TestTimeAugmentation, check_field
+from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, non_empty, run_cli
-from cifar_accel.inference import TrainedModel, load_model, output_beside
+from cifar_accel.inference import TrainedModel, add_tta_flags, load_model, output_beside
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, writable_output_dir, write_atomic
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
@@ -51,19 +51,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
     parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: the launcher's, or no.")
-    parser.add_argument(
-        "--tta",
-        choices=typing.get_args(TestTimeAugmentation),
-        default="none",
-        help="Test-time augmentation: none (default), flip, or flip_translate.",
-    )
-    parser.add_argument(
-        "--tta_below_confidence",
-        type=float,
-        default=1.0,
-        help="Apply --tta only to the images whose plain prediction has a probability below this (default: 1, "
-        "every image).",
-    )
+    add_tta_flags(parser)
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument(
         "--output_dir",

@@ -7,6 +7,7 @@ classifier.predict([Image.open("cat.png")])        # [[('cat', 0.91)]]
 
 from __future__ import annotations
 
+import argparse
 import json
 import typing
 from collections.abc import Sequence
@@ -71,29 +72,58 @@ class TrainedModel:
         return batch.to(next(self.model.parameters()).device)
 
     @torch.no_grad()
-    def probabilities(self, images: Sequence[Image.Image] | torch.Tensor, tta: str = "none") -> torch.Tensor:
-        """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked.
+    def probabilities(
+        self, images: Sequence[Image.Image] | torch.Tensor, tta: str = "none", tta_below_confidence: float = 1.0
+    ) -> torch.Tensor:
+        """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked (only
+        for the images whose plain prediction is less sure than ``tta_below_confidence``, where that is under 1).
 
         The network sees the images in batches of the run's --per_device_eval_batch_size, so that its activations
         take the memory of one such batch however many images are given."""
         if tta not in typing.get_args(TestTimeAugmentation):
             raise ValueError(f"tta must be one of {', '.join(typing.get_args(TestTimeAugmentation))}, not {tta!r}")
+        if not 0 < tta_below_confidence <= 1:
+            raise ValueError(f"tta_below_confidence must be above 0 and at most 1, not {tta_below_confidence!r}")
         batches = self.as_batch(images).split(self.config.per_device_eval_batch_size)
         return torch.cat(
-            [tta_logits(self.model, self.preprocess(batch), tta).float().softmax(1).cpu() for batch in batches]
+            [
+                tta_logits(self.model, self.preprocess(batch), tta, tta_below_confidence).float().softmax(1).cpu()
+                for batch in batches
+            ]
         )
 
     def predict(
-        self, images: Sequence[Image.Image] | torch.Tensor, top_k: int = 1, tta: str = "none"
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        top_k: int = 1,
+        tta: str = "none",
+        tta_below_confidence: float = 1.0,
     ) -> list[list[tuple[str, float]]]:
         """For each image, its ``top_k`` classes (at least 1) with their probabilities, most likely first."""
         if type(top_k) is not int or top_k < 1:
             raise ValueError(f"top_k must be a whole number of at least 1, not {top_k!r}")
-        top = self.probabilities(images, tta).topk(min(top_k, len(self.class_names)), dim=1)
+        top = self.probabilities(images, tta, tta_below_confidence).topk(min(top_k, len(self.class_names)), dim=1)
         return [
             [(self.class_names[i], float(p)) for p, i in zip(scores, indices, strict=True)]
             for scores, indices in zip(top.values, top.indices, strict=True)
         ]
+
+
+def add_tta_flags(parser: argparse.ArgumentParser) -> None:
+    """evaluate's and predict's test-time augmentation flags; a run's config.yaml holds those its final test used."""
+    parser.add_argument(
+        "--tta",
+        choices=typing.get_args(TestTimeAugmentation),
+        default="none",
+        help="Test-time augmentation: none (default), flip, or flip_translate.",
+    )
+    parser.add_argument(
+        "--tta_below_confidence",
+        type=float,
+        default=1.0,
+        help="Apply --tta only to the images whose plain prediction has a probability below this (default: 1, "
+        "every image).",
+    )
 
 
 def find_run_dir(weights: Path) -> Path:

@@ -17,10 +17,10 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
-from cifar_accel.config import Precision
+from cifar_accel.config import Precision, check_field
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
-from cifar_accel.inference import load_model
+from cifar_accel.inference import add_tta_flags, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
 
@@ -37,6 +37,7 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
     parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")
+    add_tta_flags(parser)
     parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: no.")
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
@@ -100,6 +101,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     if args.top_k < 1:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
+    check_field("tta_below_confidence", args.tta_below_confidence, "--tta_below_confidence")
     require_one_process("predict")
     trained = load_model(args.model)
     files, skipped = image_files(args.images)
@@ -111,7 +113,9 @@ def main(argv: Sequence[str]) -> None:
     for start in range(0, len(files), batch_size):
         batch = slice(start, start + batch_size)
         with accelerator.autocast():
-            top = trained.probabilities(images[batch]).topk(min(args.top_k, len(trained.class_names)), dim=1)
+            top = trained.probabilities(images[batch], args.tta, args.tta_below_confidence).topk(
+                min(args.top_k, len(trained.class_names)), dim=1
+            )
         for file, original, scores, indices in zip(
             files[batch], originals[batch], top.values, top.indices, strict=True
         ):

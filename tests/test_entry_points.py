@@ -11,10 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
+from PIL import Image
 from safetensors.torch import load_file
 
 from cifar_accel import compare, evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
+from cifar_accel.data import load_split
 from cifar_accel.errors import InputError, run_cli
 from cifar_accel.state import read_results as read_run_results
 
@@ -109,6 +112,27 @@ def test_load_model_and_predict_use_the_exported_weights(runs, shape, capsys, tm
     ]
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_load_model_and_predict_with_the_runs_tta_give_its_test_accuracy(runs, shape, tiny_dataset, capsys, tmp_path):
+    """The fast preset tests with TTA on its unsure images only (--tta_below_confidence 0.7): load_model and predict
+    take the same two settings, and with the run's own they classify its test images as its final test did."""
+    run = runs[shape]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    tta = ["--tta", config["tta"], "--tta_below_confidence", str(config["tta_below_confidence"])]
+    test, _ = load_split(str(tiny_dataset), "test", None, None, None)
+    trained = load_model(run)
+    classes = trained.probabilities(test.images, config["tta"], config["tta_below_confidence"]).argmax(1)
+    assert (classes == test.labels).float().mean().item() == pytest.approx(read_results(run)["test_accuracy"])
+    for index in range(6):
+        Image.fromarray(test.images[index].permute(1, 2, 0).numpy()).save(tmp_path / f"{index}.png")
+    code, out, err = run_entry_point(predict, ["--model", str(run), "--format", "jsonl", "--top_k", "1", *tta,
+                                               str(tmp_path)], capsys)  # fmt: skip
+    assert code == 0, err
+    assert [json.loads(line)["top_k"][0]["class"] for line in out.splitlines()] == [
+        trained.class_names[i] for i in classes[:6]
+    ]
+
+
 def test_the_ema_checkpoint_gives_the_average_not_the_raw_weights(runs):
     """The raw weights of a checkpoint differ from its average; every consumer gets the average."""
     run = runs["default_ema"]
@@ -164,9 +188,11 @@ def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
         (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"top_k": 0}, "top_k must be a whole number of at least 1"),
         (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": None}, "tta must be one of none, flip, flip_translate"),
         (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": "flips"}, "tta must be one of none, flip"),
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": "flip", "tta_below_confidence": 0},
+         "tta_below_confidence must be above 0 and at most 1, not 0"),
     ],
     ids=["empty-list", "numpy", "list-of-tensors", "empty-tensor", "float", "none", "path", "top-k-0", "tta-none",
-         "tta-unknown"],
+         "tta-unknown", "tta-below-0"],
 )  # fmt: skip
 def test_the_python_api_names_the_expected_input_in_one_error(runs, images, kwargs, message):
     trained = load_model(runs["default"])
