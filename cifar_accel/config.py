@@ -100,7 +100,11 @@ class TrainConfig:
         lt=1,
     )
     max_train_samples: int | None = _field(
-        None, "Use only the first N examples of the train split (before the validation split).", resume="match", ge=1
+        None,
+        "Use only the first N examples of the train split, in the dataset's order (an image folder's come class by "
+        "class), before the validation split.",
+        resume="match",
+        ge=1,
     )
     max_eval_samples: int | None = _field(
         None, "Use only the first N validation and N test examples.", resume="may_change", ge=1

@@ -289,7 +289,7 @@ DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, i
 
 def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
     """Labels must be whole class numbers: refuse empty cells and fractions, naming the first row."""
-    for index, label in enumerate(dataset.with_format("arrow")[label_column].to_pylist()):
+    for index, label in enumerate(label_values(dataset, label_column)):
         if label is None:
             problem = "is empty"
         elif isinstance(label, float) and not label.is_integer():
@@ -374,11 +374,17 @@ def choose_normalization(config: TrainConfig, train: Split, class_names: list[st
     return CIFAR10_NORMALIZATION if cifar10 else computed_normalization(train, config.dataset_name)
 
 
-def class_names_of(label_feature: datasets.features.FeatureType, labels: torch.Tensor) -> list[str]:
-    """Names from a ClassLabel feature, else the label numbers 0..max."""
+def class_names_of(label_feature: datasets.features.FeatureType, labels: list) -> list[str]:
+    """Names from a ClassLabel feature, else the label numbers 0..max of ``labels``, a whole split's (its first rows
+    may not hold the largest)."""
     if isinstance(label_feature, datasets.ClassLabel):
         return list(label_feature.names)
-    return numbered(int(labels.max()) + 1)
+    return numbered(int(max(label for label in labels if label is not None)) + 1)
+
+
+def label_values(dataset: datasets.Dataset, label_column: str) -> list:
+    """Every label of ``dataset``, as stored."""
+    return dataset.with_format("arrow")[label_column].to_pylist()
 
 
 def numbered(count: int) -> list[str]:
@@ -401,6 +407,20 @@ def first_rows(dataset: datasets.Dataset, count: int | None) -> datasets.Dataset
     return dataset if count is None else dataset.select(range(min(count, len(dataset))))
 
 
+def warn_if_classes_left_out(kept: torch.Tensor, every: list, split: str, flag: str) -> None:
+    """A warning where ``flag`` kept the first rows of a split, with labels ``kept``, and they leave out classes
+    that its labels ``every`` have: rows are kept in the dataset's order, and an image folder's come class by
+    class."""
+    classes = {int(label) for label in every if label is not None}
+    missing = classes - set(kept.tolist())
+    if missing:
+        logger.warning(
+            "%s: %s kept its first %d images, which leave out %d of its %d classes (rows are kept in the dataset's "
+            "order, and an image folder lists its images class by class)",
+            split, flag, len(kept), len(missing), len(classes),
+        )  # fmt: skip
+
+
 def load_split(
     dataset_name: str,
     split: str,
@@ -420,9 +440,12 @@ def load_split(
     raw = named_classes(raw, label_column)
     dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
+    every_label = label_values(raw[split], label_column)
+    if len(dataset) < len(raw[split]):
+        warn_if_classes_left_out(tensors.labels, every_label, split, "--max_eval_samples")
     feature = raw[split].features[label_column]
     if classes is None:
-        classes = class_names_of(feature, tensors.labels)
+        classes = class_names_of(feature, every_label)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes))
@@ -477,15 +500,20 @@ def load_data(config: TrainConfig) -> CifarData:
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 
-    class_names = class_names_of(raw["train"].features[label_column], full_train.labels)
+    every_label = label_values(raw["train"], label_column)
+    class_names = class_names_of(raw["train"].features[label_column], every_label)
     check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
+    if len(train_raw) < len(raw["train"]):
+        warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
 
     train_indices, val_indices = split_indices(len(full_train), config.val_ratio, config.seed)
     train, val = full_train.subset(train_indices), full_train.subset(val_indices)
     if config.max_eval_samples is not None:
         val = val.subset(torch.arange(min(config.max_eval_samples, len(val))))
-        test = test.subset(torch.arange(min(config.max_eval_samples, len(test))))
+        kept = test.subset(torch.arange(min(config.max_eval_samples, len(test))))
+        warn_if_classes_left_out(kept.labels, test.labels.tolist(), "test", "--max_eval_samples")
+        test = kept
     normalization = choose_normalization(config, full_train, class_names)
     logger.info("inputs normalised by mean %s, std %s: %s", normalization.mean, normalization.std, normalization.source)
     return CifarData(train, val, test, class_names, normalization, image_column, label_column)

@@ -15,7 +15,7 @@ from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_data, load_split
 from cifar_accel.errors import InputError
 
-from conftest import good_split, make_images, write_hub_dataset
+from conftest import good_split, make_images, write_hub_dataset, write_image_folder, write_split_files
 
 
 @pytest.fixture(autouse=True)
@@ -133,6 +133,28 @@ def test_class_names_in_a_label_column_number_every_split_alike(tmp_path):
     assert data.test.labels.tolist() == [2, 1, 2]
     split, classes = load_split(str(tmp_path / "meta"), "test", None, None, None, classes=["cat", "dog", "frog"])
     assert classes == ["cat", "dog", "frog"] and split.labels.tolist() == [1, 0, 1]
+
+
+def test_first_rows_that_leave_out_classes_warn_and_every_class_is_kept(tmp_path, caplog):
+    """An image folder lists its images class by class, so the first rows that --max_train_samples and
+    --max_eval_samples keep may hold the first classes only: the run says so, and its classes are still all of the
+    split's, numbered labels too (their count was once the largest kept label's)."""
+    caplog.set_level(logging.WARNING, logger="cifar_accel.data")
+    folder = write_image_folder(tmp_path / "folder", ["cat", "dog", "frog"], {"train": 10, "test": 4})
+    data = load_data(config_for(folder, max_train_samples=12, max_eval_samples=4, val_ratio=0.0))
+    assert data.class_names == ["cat", "dog", "frog"] and sorted(set(data.train.labels.tolist())) == [0, 1]
+    assert "train: --max_train_samples kept its first 12 images, which leave out 1 of its 3 classes" in caplog.text
+    assert "test: --max_eval_samples kept its first 4 images, which leave out 2 of its 3 classes" in caplog.text
+
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    images, _ = make_images(30, seed=1)
+    for order, warned in ((lambda labels: labels, False), (sorted, True)):
+        caplog.clear()
+        rows = datasets.Dataset.from_dict({"img": images, "label": order([i % 10 for i in range(30)])}, features)
+        root = write_split_files(tmp_path / f"numbered_{warned}", rows, rows)
+        data = load_data(config_for(root, max_train_samples=10, val_ratio=0.0))
+        assert data.class_names == [str(i) for i in range(10)]
+        assert ("leave out 6 of its 10 classes" in caplog.text) is warned, caplog.text
 
 
 def test_a_missing_split_is_named_with_its_fix(tmp_path):
