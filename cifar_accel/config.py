@@ -92,8 +92,9 @@ class TrainConfig:
     )
     val_ratio: float = _field(
         0.1,
-        "Fraction of the train split held out for validation (seeded); 0 trains on all of it, with no "
-        "validation and no early stopping, and tests the final weights.",
+        "Fraction of the train split held out for validation (seeded), where the dataset has no 'validation' split "
+        "of its own; 0 trains on all of the train split, with no validation and no early stopping, and tests the "
+        "final weights.",
         resume="match",
         aliases=("--train_val_split",),
         ge=0,

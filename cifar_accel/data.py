@@ -492,7 +492,9 @@ def split_indices(size: int, val_ratio: float, seed: int) -> tuple[torch.Tensor,
 
 
 def load_data(config: TrainConfig) -> CifarData:
-    """Train/validation/test splits as tensors, with a validation split seeded by ``config.seed``."""
+    """Train/validation/test splits as tensors. The validation split is the dataset's own 'validation' split where
+    it has one, as Hugging Face's examples take it, else a part of the train split seeded by ``config.seed``; with
+    ``--val_ratio 0`` there is none."""
     raw = load_raw(config.dataset_name)
     image_column, label_column = find_columns(raw["train"].features, config.image_column_name, config.label_column_name)
     raw = named_classes(raw, label_column)
@@ -507,8 +509,14 @@ def load_data(config: TrainConfig) -> CifarData:
     if len(train_raw) < len(raw["train"]):
         warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
 
-    train_indices, val_indices = split_indices(len(full_train), config.val_ratio, config.seed)
-    train, val = full_train.subset(train_indices), full_train.subset(val_indices)
+    if config.val_ratio > 0 and "validation" in raw:
+        train, val = full_train, decode_split(raw["validation"], image_column, label_column, "validation")
+        check_labels("validation", val, len(class_names))
+        logger.info("validation: the dataset's own 'validation' split (--val_ratio holds out a part of train only "
+                    "where a dataset has none)")  # fmt: skip
+    else:
+        train_indices, val_indices = split_indices(len(full_train), config.val_ratio, config.seed)
+        train, val = full_train.subset(train_indices), full_train.subset(val_indices)
     if config.max_eval_samples is not None:
         val = val.subset(torch.arange(min(config.max_eval_samples, len(val))))
         kept = test.subset(torch.arange(min(config.max_eval_samples, len(test))))

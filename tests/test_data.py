@@ -157,6 +157,23 @@ def test_first_rows_that_leave_out_classes_warn_and_every_class_is_kept(tmp_path
         assert ("leave out 6 of its 10 classes" in caplog.text) is warned, caplog.text
 
 
+def test_a_datasets_own_validation_split_is_the_validation_split(tmp_path, caplog):
+    """As Hugging Face's examples do: the 'validation' split validates, and all of train trains; --val_ratio holds
+    out a part of train only where a dataset has no validation split, and 0 still means no validation."""
+    caplog.set_level(logging.INFO, logger="cifar_accel.data")
+    root = write_split_files(tmp_path / "three", good_split(40, 0), good_split(20, 1))
+    good_split(12, 2).to_parquet(root / "data" / "validation-00000-of-00001.parquet")
+    data = load_data(config_for(root))
+    assert (len(data.train), len(data.val), len(data.test)) == (40, 12, 20)
+    assert torch.equal(data.val.images, load_split(str(root), "validation", None, None, None)[0].images)
+    assert "validation: the dataset's own 'validation' split" in caplog.text
+    data = load_data(config_for(root, val_ratio=0.0))
+    assert (len(data.train), len(data.val)) == (40, 0)
+    (root / "data" / "validation-00000-of-00001.parquet").unlink()
+    data = load_data(config_for(root, val_ratio=0.25))
+    assert (len(data.train), len(data.val)) == (30, 10)
+
+
 def test_a_missing_split_is_named_with_its_fix(tmp_path):
     root = tmp_path / "train_only"
     (root / "data").mkdir(parents=True)
