@@ -159,8 +159,13 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
         label_column = next((k for k, v in features.items() if isinstance(v, datasets.ClassLabel)), "label")
     if label_column not in features:
         names = ", ".join(features)
+        folder = (
+            "; an image folder has labels only where every split's images sit in class folders (<split>/<class>/)"
+            if all(isinstance(feature, datasets.Image) for feature in features.values())
+            else ""
+        )
         raise InputError(
-            f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name"
+            f"label column '{label_column}' not found (columns: {names}); name it with --label_column_name{folder}"
         )
     return image_column, label_column
 

@@ -113,6 +113,19 @@ def test_an_image_folder_loads_with_folder_names_as_classes(tmp_path):
     assert sorted(data.test.labels.tolist()) == sorted(labels)
 
 
+def test_an_image_folder_whose_test_images_sit_outside_class_folders_is_told_why_it_has_no_labels(tmp_path):
+    """`datasets` drops the labels of every split when one split's images are not in class folders."""
+    root = write_image_folder(tmp_path / "folder", ["cat", "dog"], {"train": 4})
+    (root / "test").mkdir()
+    Image.new("RGB", (32, 32)).save(root / "test" / "0.png")
+    with pytest.raises(InputError) as err:
+        load_data(config_for(root))
+    assert str(err.value) == (
+        "label column 'label' not found (columns: image); name it with --label_column_name; an image folder has "
+        "labels only where every split's images sit in class folders (<split>/<class>/)"
+    )
+
+
 def test_class_names_in_a_label_column_number_every_split_alike(tmp_path):
     """An image folder's metadata.csv gives each image's class by name. The names of all splits, sorted, become one
     ClassLabel, so a test split without birds numbers its cats as the train split does; evaluation matches them to
