@@ -414,11 +414,11 @@ def first_rows(dataset: datasets.Dataset, count: int | None) -> datasets.Dataset
 
 def warn_if_classes_left_out(kept: torch.Tensor, every: list, split: str, flag: str) -> None:
     """A warning where ``flag`` kept the first rows of a split, with labels ``kept``, and they leave out classes
-    that its labels ``every`` have: rows are kept in the dataset's order, and an image folder's come class by
-    class."""
+    that its labels ``every`` have though they are enough to hold each: rows are kept in the dataset's order, and an
+    image folder's come class by class."""
     classes = {int(label) for label in every if label is not None}
     missing = classes - set(kept.tolist())
-    if missing:
+    if missing and len(kept) >= len(classes):
         logger.warning(
             "%s: %s kept its first %d images, which leave out %d of its %d classes (rows are kept in the dataset's "
             "order, and an image folder lists its images class by class)",
