@@ -158,6 +158,9 @@ def test_first_rows_that_leave_out_classes_warn_and_every_class_is_kept(tmp_path
     assert data.class_names == ["cat", "dog", "frog"] and sorted(set(data.train.labels.tolist())) == [0, 1]
     assert "train: --max_train_samples kept its first 12 images, which leave out 1 of its 3 classes" in caplog.text
     assert "test: --max_eval_samples kept its first 4 images, which leave out 2 of its 3 classes" in caplog.text
+    caplog.clear()
+    load_data(config_for(folder, max_eval_samples=2, val_ratio=0.0))  # too few to hold 3 classes: no news
+    assert "--max_eval_samples kept" not in caplog.text and "--max_train_samples" not in caplog.text
 
     features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
     images, _ = make_images(30, seed=1)
