@@ -157,7 +157,7 @@ Hugging Face Accelerate.
 | precision in effect | {results.mixed_precision} (requested `{results.requested_mixed_precision}` by {results.mixed_precision_source}) |
 | hardware | {machine}, {results.num_processes} process(es), device `{results.device}` |
 | batch, learning rate | {results.global_batch_size} global, {results.learning_rate:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
-| training images | {results.train_samples} ({results.val_samples} held out for validation) |
+| training images | {training_images(results)} |
 | speed | {results.seconds_per_epoch:.1f} s per epoch, {results.train_images_per_second:.0f} training images/s |
 | peak memory | {results.peak_memory_mib:.0f} MiB ({results.peak_memory_measure}) |
 | input | {normalization_text(results)} |
@@ -186,6 +186,13 @@ or from the command line: `python -m cifar_accel.predict --model path/to/this/fo
 """  # noqa: E501 - table rows
     metadata = card_metadata(config, results, run_name, class_names)
     return ModelCard(f"---\n{metadata.to_yaml()}\n---\n{body}")
+
+
+def training_images(results: RunResults) -> str:
+    """The training images, and where the validation images came from, as the card states them."""
+    if results.val_split:
+        return f"{results.train_samples} ({results.val_samples} validation images: the '{results.val_split}' split)"
+    return f"{results.train_samples} ({results.val_samples} held out for validation)"
 
 
 def normalization_text(results: RunResults) -> str:

@@ -64,6 +64,7 @@ class CifarData:
     normalization: Normalization
     image_column: str
     label_column: str
+    val_split: str | None = None  # the dataset's own split validated on; None: a part of train held out, or none
 
 
 def data_signature(data: CifarData) -> str:
@@ -514,8 +515,9 @@ def load_data(config: TrainConfig) -> CifarData:
     if len(train_raw) < len(raw["train"]):
         warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
 
-    if config.val_ratio > 0 and "validation" in raw:
-        train, val = full_train, decode_split(raw["validation"], image_column, label_column, "validation")
+    val_split = "validation" if config.val_ratio > 0 and "validation" in raw else None
+    if val_split:
+        train, val = full_train, decode_split(raw[val_split], image_column, label_column, val_split)
         check_labels("validation", val, len(class_names))
         logger.info("validation: the dataset's own 'validation' split (--val_ratio holds out a part of train only "
                     "where a dataset has none)")  # fmt: skip
@@ -529,7 +531,7 @@ def load_data(config: TrainConfig) -> CifarData:
         test = kept
     normalization = choose_normalization(config, full_train, class_names)
     logger.info("inputs normalised by mean %s, std %s: %s", normalization.mean, normalization.std, normalization.source)
-    return CifarData(train, val, test, class_names, normalization, image_column, label_column)
+    return CifarData(train, val, test, class_names, normalization, image_column, label_column, val_split)
 
 
 class TrainImages(Dataset):

@@ -125,7 +125,7 @@ class TrainerState:
         return None
 
 
-RESULTS_SCHEMA_VERSION = 2
+RESULTS_SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -168,6 +168,9 @@ class RunResults:
     image_column: str | None = None  # the dataset's columns the run read (recorded from schema version 2 on)
     label_column: str | None = None
     normalization: dict[str, Any] | None = None  # the input statistics, as preprocessing.json holds them
+    # The dataset's own split the run validated on (from schema version 3 on); None where it held out a part of
+    # its train split, or had no validation.
+    val_split: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -124,6 +124,7 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         image_column=run.data.image_column,
         label_column=run.data.label_column,
         normalization=run.data.normalization.to_dict(),
+        val_split=run.data.val_split,
         schema_version=RESULTS_SCHEMA_VERSION,
         versions={
             "python": platform.python_version(),

@@ -180,14 +180,14 @@ def test_a_datasets_own_validation_split_is_the_validation_split(tmp_path, caplo
     root = write_split_files(tmp_path / "three", good_split(40, 0), good_split(20, 1))
     good_split(12, 2).to_parquet(root / "data" / "validation-00000-of-00001.parquet")
     data = load_data(config_for(root))
-    assert (len(data.train), len(data.val), len(data.test)) == (40, 12, 20)
+    assert (len(data.train), len(data.val), len(data.test), data.val_split) == (40, 12, 20, "validation")
     assert torch.equal(data.val.images, load_split(str(root), "validation", None, None, None)[0].images)
     assert "validation: the dataset's own 'validation' split" in caplog.text
     data = load_data(config_for(root, val_ratio=0.0))
     assert (len(data.train), len(data.val)) == (40, 0)
     (root / "data" / "validation-00000-of-00001.parquet").unlink()
     data = load_data(config_for(root, val_ratio=0.25))
-    assert (len(data.train), len(data.val)) == (30, 10)
+    assert (len(data.train), len(data.val), data.val_split) == (30, 10, None)
 
 
 def test_a_missing_split_is_named_with_its_fix(tmp_path):

@@ -211,18 +211,20 @@ RESULTS_KEYS = {
     "learning_rate", "device", "hardware", "train_samples", "val_samples", "history", "versions",
 }  # fmt: skip
 VERSION_2_KEYS = {"image_column", "label_column", "normalization"}
+VERSION_3_KEYS = {"val_split"}
 
 
 def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
     written = json.loads((runs["default"] / "results.json").read_text())
-    assert set(written) == RESULTS_KEYS | VERSION_2_KEYS | {"schema_version"} and written["schema_version"] == 2
+    assert set(written) == RESULTS_KEYS | VERSION_2_KEYS | VERSION_3_KEYS | {"schema_version"}
+    assert written["schema_version"] == 3 and written["val_split"] is None  # a part of train held out
     assert (written["image_column"], written["label_column"]) == ("img", "label")
     assert written["normalization"]["mean"] == [0.4914, 0.4822, 0.4465]  # CIFAR-10's classes: its constants
     older = {k: v for k, v in written.items() if k in RESULTS_KEYS}  # as written before the version was
     (tmp_path / "results.json").write_text(json.dumps(older))
     results = read_run_results(tmp_path / "results.json")
     assert results.schema_version == 1 and results.history[0].epoch == 1 and results.label_column is None
-    assert results.to_dict() == {**older, "schema_version": 1} | dict.fromkeys(VERSION_2_KEYS)
+    assert results.to_dict() == {**older, "schema_version": 1} | dict.fromkeys(VERSION_2_KEYS | VERSION_3_KEYS)
     (tmp_path / "results.json").write_text(json.dumps(written))
     assert read_run_results(tmp_path / "results.json").to_dict() == written
     for damage in ({**written, "test_accuracy": 1.5}, {**written, "history": [{"epoch": 1}]}, [written]):

@@ -128,8 +128,16 @@ def test_presets_train_coarse_and_fine_labels_and_statistics_are_cached(train_he
 
 
 def test_an_image_folder_of_greyscale_and_rgb_pngs_trains_with_its_own_statistics(train_here, tmp_path):
-    folder = write_image_folder(tmp_path / "shapes", ["dark", "mid", "light"], {"train": 20, "test": 6})
+    """Its validation/ folder validates, and all of train/ trains (the statistics are train/'s)."""
+    per_class = {"train": 20, "validation": 4, "test": 6}
+    folder = write_image_folder(tmp_path / "shapes", ["dark", "mid", "light"], per_class)
     assert train_here(tiny_args(folder, tmp_path / "run", "--per_device_train_batch_size", "8")).returncode == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (results["train_samples"], results["val_samples"], results["val_split"]) == (60, 12, "validation")
+    assert (
+        "| training images | 60 (12 validation images: the 'validation' split) |"
+        in (tmp_path / "run" / "README.md").read_text()
+    )
     saved = json.loads((tmp_path / "run" / "preprocessing.json").read_text())
     mean, std = numpy_statistics(folder)
     assert np.abs(np.array(saved["mean"]) - mean).max() <= 0.5e-4 + 1e-12
