@@ -161,7 +161,8 @@ def find_columns(features: datasets.Features, image_column: str | None, label_co
     if label_column not in features:
         names = ", ".join(features)
         folder = (
-            "; an image folder has labels only where every split's images sit in class folders (<split>/<class>/)"
+            "; an image folder has labels only where every split's images sit in class folders, two or more "
+            "(<split>/<class>/)"
             if all(isinstance(feature, datasets.Image) for feature in features.values())
             else ""
         )

@@ -122,7 +122,7 @@ def test_an_image_folder_whose_test_images_sit_outside_class_folders_is_told_why
         load_data(config_for(root))
     assert str(err.value) == (
         "label column 'label' not found (columns: image); name it with --label_column_name; an image folder has "
-        "labels only where every split's images sit in class folders (<split>/<class>/)"
+        "labels only where every split's images sit in class folders, two or more (<split>/<class>/)"
     )
 
 
