@@ -511,6 +511,11 @@ def load_data(config: TrainConfig) -> CifarData:
 
     every_label = label_values(raw["train"], label_column)
     class_names = class_names_of(raw["train"].features[label_column], every_label)
+    if len(class_names) < 2:
+        raise InputError(
+            f"dataset '{config.dataset_name}' has one class ({class_names[0]!r}, label column '{label_column}'), and "
+            "a classifier needs two or more; check the labels, or name another column with --label_column_name"
+        )
     check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
     if len(train_raw) < len(raw["train"]):

@@ -62,6 +62,12 @@ def one_parquet_file(root: Path) -> Path:
     return next(root.glob("data/train-*.parquet"))
 
 
+def one_class(root: Path) -> Path:
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    rows = datasets.Dataset.from_dict({"img": make_images(20, 0)[0], "label": [0] * 20}, features=features)
+    return write_split_files(root, rows, rows)
+
+
 def run_folder(root: Path) -> Path:
     """A run folder with two checkpoints (as far as a lookup sees them), passed where one of them belongs."""
     for step in (4, 8):
@@ -105,6 +111,7 @@ CASES = [
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
     ("empty-split", ["--dataset_name", "{made}"], 2, ["has an empty split", "\"test\""]),
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
+    ("one-class", ["--dataset_name", "{made}"], 2, ["has one class ('0', label column 'label')", "two or more"]),
     ("resume-missing", ["--dataset_name", "{data}", "--resume_from_checkpoint", "/nonexistent/ckpt"], 2,
      ["does not exist"]),
     ("resume-run-folder", ["--dataset_name", "{data}", "--resume_from_checkpoint", "{made}"], 2,
@@ -129,6 +136,7 @@ MAKERS = {
     "no-label-column": no_label_column,
     "no-image-column": no_image_column,
     "corrupt-image": corrupt_dataset,
+    "one-class": one_class,
     "resume-run-folder": run_folder,
     "resume-checkpoints-folder": run_folder,
     "empty-split": empty_test_split,
