@@ -189,8 +189,9 @@ def load_model(path: str | Path) -> TrainedModel:
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
         aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""
-        if path.is_dir() and checkpoints_within(path):  # a run still training, or stopped before its end
-            aside += f"; its newest checkpoint is {checkpoints_within(path)[-1]}"
+        checkpoints = checkpoints_within(path)
+        if checkpoints:  # a run still training, or stopped before its end
+            aside += f"; its newest checkpoint is {checkpoints[-1]}"
         raise InputError(
             f"no model weights at '{weights}'{aside}; pass a run folder, a checkpoint folder or a .safetensors"
         )
