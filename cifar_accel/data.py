@@ -295,7 +295,10 @@ DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, i
 
 
 def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
-    """Labels must be whole class numbers: refuse empty cells and fractions, naming the first row."""
+    """Labels must be whole class numbers: refuse empty cells and fractions, naming the first row. A ClassLabel
+    column holds class numbers; its empty cells are found once it is decoded (``decode_split``)."""
+    if isinstance(dataset.features[label_column], datasets.ClassLabel):
+        return
     for index, label in enumerate(label_values(dataset, label_column)):
         if label is None:
             problem = "is empty"
@@ -339,6 +342,9 @@ def decode_split(
                 [dataset._fingerprint, image_column, label_column, split, features, DECODER_CODE]
             ),
         ).with_format("arrow")[:]  # the numpy and torch formatters would widen uint8 to int64
+        if decoded[label_column].null_count:
+            empty = decoded[label_column].to_pylist().index(None)
+            raise InputError(f"{split} label {empty} (column '{label_column}') is empty; fix that row or the column")
     except OSError as err:
         fault = datasets_cache_fault(err, f"caching the decoded {split} split")
         if fault:
@@ -381,12 +387,13 @@ def choose_normalization(config: TrainConfig, train: Split, class_names: list[st
     return CIFAR10_NORMALIZATION if cifar10 else computed_normalization(train, config.dataset_name)
 
 
-def class_names_of(label_feature: datasets.features.FeatureType, labels: list) -> list[str]:
-    """Names from a ClassLabel feature, else the label numbers 0..max of ``labels``, a whole split's (its first rows
-    may not hold the largest)."""
-    if isinstance(label_feature, datasets.ClassLabel):
-        return list(label_feature.names)
-    return numbered(int(max(label for label in labels if label is not None)) + 1)
+def class_names_of(split: datasets.Dataset, label_column: str) -> list[str]:
+    """Names from a ClassLabel column, else the label numbers 0..max of the whole split (its first rows may not hold
+    the largest)."""
+    feature = split.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    return numbered(int(max(label for label in label_values(split, label_column) if label is not None)) + 1)
 
 
 def label_values(dataset: datasets.Dataset, label_column: str) -> list:
@@ -447,12 +454,11 @@ def load_split(
     raw = named_classes(raw, label_column)
     dataset = first_rows(raw[split], max_samples)
     tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
-    every_label = label_values(raw[split], label_column)
     if len(dataset) < len(raw[split]):
-        warn_if_classes_left_out(tensors.labels, every_label, split, "--max_eval_samples")
+        warn_if_classes_left_out(tensors.labels, label_values(raw[split], label_column), split, "--max_eval_samples")
     feature = raw[split].features[label_column]
     if classes is None:
-        classes = class_names_of(feature, every_label)
+        classes = class_names_of(raw[split], label_column)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes))
@@ -509,8 +515,7 @@ def load_data(config: TrainConfig) -> CifarData:
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 
-    every_label = label_values(raw["train"], label_column)
-    class_names = class_names_of(raw["train"].features[label_column], every_label)
+    class_names = class_names_of(raw["train"], label_column)
     if len(class_names) < 2:
         raise InputError(
             f"dataset '{config.dataset_name}' has one class ({class_names[0]!r}, label column '{label_column}'), and "
@@ -519,6 +524,7 @@ def load_data(config: TrainConfig) -> CifarData:
     check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
     if len(train_raw) < len(raw["train"]):
+        every_label = label_values(raw["train"], label_column)
         warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
 
     val_split = "validation" if config.val_ratio > 0 and "validation" in raw else None
