@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,15 +24,21 @@ from accelerate.utils import load as load_pickled
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig, dataset_location
 from cifar_accel.errors import InputError, RunFault, one_line
-from cifar_accel.outputs import CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE
+from cifar_accel.outputs import (
+    CHECKPOINT_NAME,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    checkpoint_dir,
+    complete_checkpoints,
+)
 from cifar_accel.schema import from_json
 from cifar_accel.state import TrainerState, checkpoint_name
 
-STATE_FILE = "trainer_state.json"
 # Settings a resume must keep that a checkpoint with a data signature checks by the data's content instead.
 CHECKED_BY_CONTENT = frozenset({"dataset_name"})
 PARTIAL_PREFIX = ".partial-"
-_NAME = re.compile(r"^step_(\d{8,})$")
 
 
 class CheckpointSaveError(RunFault):
@@ -45,19 +50,6 @@ def config_fingerprint(config: TrainConfig, mixed_precision: str) -> dict[str, A
     ``resume="match"``, with the precision that was in effect rather than the one requested."""
     values = {name: getattr(config, name) for name, f in FIELDS.items() if f.metadata["resume"] == "match"}
     return {**values, "mixed_precision": mixed_precision}
-
-
-def checkpoint_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS_DIR
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
-    root = checkpoint_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
 def checkpoints_within(folder: Path) -> list[Path]:
@@ -177,10 +169,10 @@ def read_trainer_state(path: Path) -> TrainerState:
         processes = data.get("num_processes") if type(data.get("num_processes")) is int else 1
         data["epoch_totals"] = [totals] + [[0.0] * 3] * (processes - 1)  # the sum of all, as once written
     state = from_json(TrainerState, data, invalid)
-    match = _NAME.match(path.name)
+    match = CHECKPOINT_NAME.match(path.name)
     problem = state.consistency_problem(
         int(match.group(1)) if match else None,
-        lambda name: bool(_NAME.match(name)) and (path.parent / name / STATE_FILE).is_file(),
+        lambda name: bool(CHECKPOINT_NAME.match(name)) and (path.parent / name / STATE_FILE).is_file(),
     )
     if problem:
         raise invalid(problem)

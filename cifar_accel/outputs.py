@@ -32,6 +32,8 @@ CONFIG_FILE = "config.yaml"  # the effective config (config.config_yaml)
 LABELS_FILE = "labels.json"  # the class names, for evaluate, predict and load_model
 PREPROCESSING_FILE = "preprocessing.json"  # the input normalisation (transforms.Normalization), for the same
 CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})$")  # checkpoints/step_NNNNNNNN/, by optimizer step
+STATE_FILE = "trainer_state.json"  # written last into a checkpoint: one that has it is complete
 LOGS_DIR = "logs"  # the trackers' files: TensorBoard's events under logs/<project_name>/
 LOCK_INFO = ".lock"  # who holds the folder: pid, host, start time (while the run lasts)
 REPLACED_RUN = ".replaced-run"  # an earlier run set aside by --overwrite_output_dir until the first checkpoint
@@ -102,9 +104,23 @@ def _starts_with(path: Path, mark: str, size: int) -> bool:
         return False
 
 
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest first."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
+
+
 def holds_run(folder: Path) -> bool:
-    """Whether ``folder`` holds a run worth keeping: a finished one (results.json) or one with checkpoints."""
-    return (folder / RESULTS_FILE).exists() or (folder / CHECKPOINTS_DIR).exists()
+    """Whether ``folder`` holds a run worth keeping: a finished one (results.json) or one with a complete checkpoint
+    (a run killed while writing its first holds only a partial one, which nothing can resume)."""
+    return (folder / RESULTS_FILE).exists() or bool(complete_checkpoints(folder))
 
 
 def earlier_run_files(folder: Path) -> list[Path]:
@@ -321,11 +337,13 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
             f"'{output_dir}' holds no checkpoint: {set_aside_note(output_dir)}; restore it with 'mv {aside}/* "
             f"{output_dir}/', replace it with --overwrite_output_dir, or pick another --output_dir"
         )
-    earlier = [name for name in (RESULTS_FILE, CHECKPOINTS_DIR) if (output_dir / name).exists()]
-    if earlier and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+    if holds_run(output_dir) and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+        checkpoints = [CHECKPOINTS_DIR] if complete_checkpoints(output_dir) else []
+        earlier = [name for name in (RESULTS_FILE,) if (output_dir / name).exists()] + checkpoints
+        resume = "continue it with --resume_from_checkpoint latest, " if checkpoints else ""
         raise InputError(
-            f"'{output_dir}' already holds a run ({', '.join(earlier)}); continue it with "
-            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or pick another --output_dir"
+            f"'{output_dir}' already holds a run ({', '.join(earlier)}); {resume}replace it with "
+            "--overwrite_output_dir, or pick another --output_dir"
         )
     config_file = output_dir / CONFIG_FILE
     if config_file.exists() and not is_run_config(config_file):

@@ -269,6 +269,44 @@ def test_auto_resume_is_one_command_for_a_jobs_first_start_and_its_requeue(tiny_
     assert snapshot(tmp_path / "job")["model.safetensors"] == snapshot(tmp_path / "plain")["model.safetensors"]
 
 
+def test_a_job_killed_while_writing_its_first_checkpoint_starts_again_when_requeued(tiny_dataset, cli_env, tmp_path):
+    """The kill leaves a partial checkpoint, which nothing can resume: 'auto' starts the run from scratch, where it
+    was refused as 'already holds a run' and 'latest' found no checkpoint."""
+    for attempt in range(5):  # the stop must land before the checkpoint is renamed complete
+        job = tmp_path / f"job{attempt}"
+        args = [*run_args(tiny_dataset, job), "--resume_from_checkpoint", "auto"]
+        first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=cli_env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not list((job / "checkpoints").glob(".partial-*")):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.0005)
+        first.send_signal(signal.SIGSTOP)
+        cut_off = not complete_checkpoints(job)
+        first.kill()
+        first.wait()
+        if cut_off:
+            break
+    assert cut_off and list((job / "checkpoints").glob(".partial-*"))
+    requeued = run_subprocess(args, cli_env)
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"--resume_from_checkpoint auto: a new run starts, as there is no checkpoint in {job}" in requeued.stdout
+    assert [r["epoch"] for r in read_results(job)["history"]] == [1, 2]
+    assert not list((job / "checkpoints").glob(".partial-*"))
+
+
+def test_a_finished_run_without_checkpoints_is_not_offered_a_resume(earlier_run, tiny_dataset, train_here):
+    shutil.rmtree(earlier_run / "checkpoints")  # removed to save space once the run was done
+    before = snapshot(earlier_run)
+    proc = train_here(run_args(tiny_dataset, earlier_run))
+    assert proc.returncode == 2
+    assert one_error_line(proc) == (
+        f"error: '{earlier_run}' already holds a run (results.json); replace it with --overwrite_output_dir, or pick "
+        "another --output_dir"
+    )
+    assert snapshot(earlier_run) == before
+
+
 NO_FLOCK = r"""
 /* flock() fails with ENOSYS, as on Lustre mounted without -o flock, for files under $NOFLOCK_PREFIX. */
 #define _GNU_SOURCE
