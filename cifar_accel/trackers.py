@@ -127,12 +127,13 @@ def run_name(config: TrainConfig, output_dir: Path) -> str:
 def tracker_init_kwargs(
     config: TrainConfig, output_dir: Path, resumed_step: int, continued: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """Each tracker's keyword arguments: the run's name. In a run resumed from the checkpoint of optimizer step
-    ``resumed_step``: for TensorBoard, a purge of every point logged after it (by the interrupted run, and logged
-    again now), so each step is drawn once; for MLflow, the run to continue (``continued``: tracker -> run id)."""
+    """Each tracker's keyword arguments: the run's name; for TensorBoard, a purge of every point an earlier run in
+    the folder logged after the step this run starts from, so each step is drawn once: after the checkpoint of
+    optimizer step ``resumed_step`` (the interrupted run's points, logged again now), or all of them in a new run (of
+    a run killed before its first checkpoint, which a new run replaces); for MLflow, the run to continue
+    (``continued``: tracker -> run id)."""
     kwargs = {tracker: {keyword: run_name(config, output_dir)} for tracker, keyword in RUN_NAME_KEYWORDS.items()}
-    if resumed_step:
-        kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
+    kwargs["tensorboard"] = {"purge_step": resumed_step + 1 if resumed_step else 0}
     if "mlflow" in continued:
         kwargs["mlflow"]["run_id"] = continued["mlflow"]
     return kwargs

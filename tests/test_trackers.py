@@ -3,6 +3,7 @@ config as TensorBoard."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,27 @@ def test_report_to_none_writes_no_event_files(tiny_dataset, train_here, tmp_path
     assert proc.returncode == 0, proc.stderr
     assert read_results(out)["epochs_completed"] == 1
     assert not list((out / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_a_new_run_where_a_run_stopped_before_its_first_checkpoint_draws_each_step_once(
+    tiny_dataset, train_here, tmp_path
+):
+    """Such a run leaves its config, labels and TensorBoard events, which a new run in the folder keeps (here a
+    finished run's, its checkpoints and results removed). TensorBoard purges their points, so the curves are the new
+    run's alone, not both runs' drawn over each other."""
+    out = tmp_path / "run"
+    assert train_here(tiny_args(tiny_dataset, out, "--num_train_epochs", "2", "--logging_steps", "1")).returncode == 0
+    for name in ("checkpoints", "results.json", "model.safetensors", "README.md", "curves.png"):
+        shutil.rmtree(out / name) if name == "checkpoints" else (out / name).unlink()
+    earlier_events = list((out / "logs").rglob("events.out.tfevents.*"))
+    proc = train_here(tiny_args(tiny_dataset, out, "--logging_steps", "1"))
+    assert proc.returncode == 0, proc.stderr
+    steps = read_trainer_state(complete_checkpoints(out)[-1]).global_step  # one epoch
+    events = EventAccumulator(str(tensorboard_dir(out, "cifar_accel")))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, steps + 1))
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(steps, 1.0)]
+    assert all(path.exists() for path in earlier_events)  # kept on disk, left out of the curves
 
 
 def test_a_run_killed_and_resumed_continues_its_mlflow_run_holding_each_step_once(
