@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 from collections.abc import Callable, Iterable, Iterator
@@ -321,6 +322,17 @@ def set_aside_note(folder: Path) -> str:
     )
 
 
+def restore_command(folder: Path) -> str:
+    """The shell command that puts the run set aside in ``.replaced-run/`` back: it first removes what the run that
+    set it aside left beside it (``check_earlier_run`` has made sure that is all: no results, no checkpoint), whose
+    folders would stop ``mv``."""
+    aside = shlex.quote(str(folder / REPLACED_RUN))
+    left = [str(path) for path in earlier_run_files(folder)]
+    return (f"{shlex.join(['rm', '-r', *left])} && " if left else "") + (
+        f"mv {aside}/* {shlex.quote(str(folder))}/ && rmdir {aside}"
+    )
+
+
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
     """Refuse a folder that holds another run's results, unless told to resume or replace it; a folder with a run
     set aside, unless told to replace it; and a config.yaml, or any other file a run writes, that is the user's,
@@ -334,8 +346,8 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
         )
     if aside.exists() and not replacing:
         raise InputError(
-            f"'{output_dir}' holds no checkpoint: {set_aside_note(output_dir)}; restore it with 'mv {aside}/* "
-            f"{output_dir}/', replace it with --overwrite_output_dir, or pick another --output_dir"
+            f"'{output_dir}' holds no checkpoint: {set_aside_note(output_dir)}; restore it with "
+            f"'{restore_command(output_dir)}', replace it with --overwrite_output_dir, or pick another --output_dir"
         )
     if holds_run(output_dir) and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
         checkpoints = [CHECKPOINTS_DIR] if complete_checkpoints(output_dir) else []

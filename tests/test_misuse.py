@@ -135,7 +135,7 @@ def test_a_chain_of_overwrites_never_deletes_a_finished_run(earlier_run, tiny_da
         proc = train_here(args)
         assert proc.returncode == 2
         line = one_error_line(proc)
-        assert aside in line and f"restore it with 'mv {earlier_run / REPLACED_RUN}/* {earlier_run}/'" in line
+        assert aside in line and f"&& mv {earlier_run / REPLACED_RUN}/* {earlier_run}/ && rmdir" in line
         assert snapshot(earlier_run) == left_by_b
     capsys.readouterr()
     assert run_cli(evaluate.main, ["--model", str(earlier_run)]) == 2
@@ -145,6 +145,22 @@ def test_a_chain_of_overwrites_never_deletes_a_finished_run(earlier_run, tiny_da
     assert proc.returncode == 0, proc.stderr
     assert not (earlier_run / REPLACED_RUN).exists()
     assert read_results(earlier_run)["epochs_completed"] == 2 and (earlier_run / "notes.txt").read_text() == "mine"
+
+
+def test_the_command_a_refusal_gives_restores_the_set_aside_run_whole(earlier_run, tiny_dataset, train_here):
+    """B (--overwrite_output_dir) stopped before its first checkpoint, leaving its config, labels and TensorBoard
+    events beside the set-aside run A. The restore command of the refusal, run by a shell, brings A back as it was."""
+    a_run = snapshot(earlier_run)
+    overwrite = run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")
+    assert train_here(overwrite, bookkeeper_type=FaultAtFirstStep).returncode == 1
+    assert list((earlier_run / "logs").rglob("events.out.tfevents.*"))  # B's, where A's were
+    proc = train_here(run_args(tiny_dataset, earlier_run))
+    assert proc.returncode == 2
+    command = one_error_line(proc).split("restore it with '", 1)[1].split("', replace it with", 1)[0]
+    restored = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert restored.returncode == 0, restored.stderr
+    assert snapshot(earlier_run) == a_run
+    assert not (earlier_run / REPLACED_RUN).exists()
 
 
 def test_a_run_beside_a_set_aside_run_is_never_deleted(earlier_run, finished_run, tiny_dataset, train_here):
