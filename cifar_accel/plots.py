@@ -1,10 +1,10 @@
-"""Plots are an optional extra: ``pip install 'cifar-accel[plots]'`` brings matplotlib."""
+"""Plots are an optional extra, 'plots' (``pip install -e ".[plots]"`` in a checkout): matplotlib."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
-MISSING = "matplotlib is not installed (pip install 'cifar-accel[plots]'), so no PNG was written"
+MISSING = "matplotlib is not installed (pip install matplotlib: the 'plots' extra), so no PNG was written"
 
 
 def pyplot() -> ModuleType | None:
