@@ -30,7 +30,10 @@ IMAGE_SUFFIXES = {suffix for suffix, _ in Image.registered_extensions().items()}
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.predict", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
-        "images", nargs="+", type=non_empty, help="Image files, or folders whose images are all classified."
+        "images",
+        nargs="+",
+        type=non_empty,
+        help="Image files, or folders whose images (not their subfolders') are all classified.",
     )
     parser.add_argument(
         "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
@@ -66,7 +69,10 @@ def image_files(paths: Sequence[str]) -> tuple[list[Path], list[tuple[Path, str]
         else:
             raise InputError(f"'{name}' does not exist; pass image files or folders of images")
     if not files:
-        raise InputError(f"no image files found in {', '.join(paths)}")
+        folders = [str(entry) for entry, _ in skipped if entry.is_dir()]
+        listing = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
+        inside = f"; a folder's subfolders are not searched, so name them ({listing})" if folders else ""
+        raise InputError(f"no image files found in {', '.join(paths)}{inside}")
     return files, skipped
 
 

@@ -220,6 +220,21 @@ def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(train
     assert out == "" and err.startswith("error: none of the 3 image files found could be read: ")
 
 
+def test_predict_on_a_folder_of_class_folders_names_them(trained_run, tmp_path, capsys):
+    """An image folder dataset's split (test/cat/1.png, ...): its subfolders are not searched, and the line says so
+    where there is nothing else to classify."""
+    for name in ("cat", "dog"):
+        (tmp_path / "test" / name).mkdir(parents=True)
+        make_images(1, seed=7)[0][0].save(tmp_path / "test" / name / "1.png")
+    assert run_main(predict.main, ["--model", str(trained_run), str(tmp_path / "test")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"error: no image files found in {tmp_path / 'test'}; a folder's subfolders are not searched, so name them "
+        f"({tmp_path / 'test' / 'cat'}, {tmp_path / 'test' / 'dog'})\n"
+    )
+    assert run_main(predict.main, ["--model", str(trained_run), *(str(p) for p in (tmp_path / "test").iterdir())]) == 0
+
+
 def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, tmp_path):
     """torchrun with CPU forced gives two real gloo ranks; 83 test images in batches of 50 split unevenly."""
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
