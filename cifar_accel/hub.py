@@ -59,9 +59,10 @@ def push_to_hub(config: TrainConfig, output_dir: Path) -> str:
         api.create_commit(repo_id, operations, commit_message=f"cifar_accel run {output_dir.resolve().name}")
     except Exception as err:  # noqa: BLE001 - the network, the token and the Hub fail in many kinds
         include = " ".join(f"--include {shlex.quote(name)}" for name in names)
+        private = " --private" if config.hub_private_repo else ""  # else hf upload would create a public repository
         raise RunFault(
             f"pushing to the Hub as '{repo}' failed ({type(err).__name__}: {one_line(err)[:200]}); the run is saved "
             f"in full in {output_dir}; push it later with: hf upload {shlex.quote(repo)} "
-            f"{shlex.quote(str(output_dir))} {include}"
+            f"{shlex.quote(str(output_dir))} {include}{private}"
         ) from None
     return repo_id

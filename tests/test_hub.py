@@ -12,6 +12,7 @@ import pytest
 from accelerate import PartialState
 
 from cifar_accel.config import config_yaml, load_config
+from cifar_accel.errors import RunFault
 from cifar_accel.hub import push_to_hub
 from cifar_accel.outputs import shared_files
 
@@ -100,6 +101,27 @@ def test_only_the_runs_own_files_are_pushed_and_the_log_lists_them(run_with_priv
     assert all(Path(path) == out / name for name, path in files)
     assert f"pushing {len(names)} files to the Hub as 'someone/tiny': model.safetensors, " in caplog.text
     assert [p.relative_to(out).as_posix() for p in shared_files(out, "cifar_accel")] == names
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_the_later_push_command_keeps_a_private_repository_private(run_with_private_files, monkeypatch, private):
+    """The push failed before the repository was made (the network): the command the line gives makes it, and
+    makes it private where --hub_private_repo asked for that."""
+
+    def unreachable(self, repo, **kwargs):
+        raise ConnectionError("no route to the Hub")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", unreachable)
+    flags = ["--push_to_hub", "--hub_model_id", "someone/tiny", "--hub_token", "hf_x"]
+    config, _ = load_config(
+        tiny_args(Path("unused"), run_with_private_files, *flags, *(["--hub_private_repo"] * private))
+    )
+    PartialState(cpu=True)  # as in the training process, which pushes at its end
+    with pytest.raises(RunFault) as failure:
+        push_to_hub(config, run_with_private_files)
+    command = str(failure.value).split("push it later with: ", 1)[1]
+    assert command.startswith(f"hf upload someone/tiny {run_with_private_files} --include model.safetensors ")
+    assert command.endswith(" --private") == private
 
 
 @pytest.mark.parametrize(
