@@ -327,10 +327,9 @@ def restore_command(folder: Path) -> str:
     set it aside left beside it (``check_earlier_run`` has made sure that is all: no results, no checkpoint), whose
     folders would stop ``mv``."""
     aside = shlex.quote(str(folder / REPLACED_RUN))
+    move_back = f"mv {aside}/* {shlex.quote(str(folder))}/ && rmdir {aside}"
     left = [str(path) for path in earlier_run_files(folder)]
-    return (f"{shlex.join(['rm', '-r', *left])} && " if left else "") + (
-        f"mv {aside}/* {shlex.quote(str(folder))}/ && rmdir {aside}"
-    )
+    return f"{shlex.join(['rm', '-r', *left])} && {move_back}" if left else move_back
 
 
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
@@ -350,8 +349,9 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
             f"'{restore_command(output_dir)}', replace it with --overwrite_output_dir, or pick another --output_dir"
         )
     if holds_run(output_dir) and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
-        checkpoints = [CHECKPOINTS_DIR] if complete_checkpoints(output_dir) else []
-        earlier = [name for name in (RESULTS_FILE,) if (output_dir / name).exists()] + checkpoints
+        checkpoints = bool(complete_checkpoints(output_dir))
+        earlier = [RESULTS_FILE] if (output_dir / RESULTS_FILE).exists() else []
+        earlier += [CHECKPOINTS_DIR] if checkpoints else []
         resume = "continue it with --resume_from_checkpoint latest, " if checkpoints else ""
         raise InputError(
             f"'{output_dir}' already holds a run ({', '.join(earlier)}); {resume}replace it with "
