@@ -7,17 +7,23 @@ python scripts/summarize_runs.py outputs/fast_seed0 outputs/fast_seed1 outputs/f
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from cifar_accel.errors import run_cli
 from cifar_accel.state import read_results
 
 
-def main(run_dirs: list[str]) -> None:
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", help="Run folders, each with the results.json of a finished run.")
+    run_dirs = parser.parse_args(argv).run_dirs
+    runs = [read_results(Path(run_dir) / "results.json") for run_dir in run_dirs]
     print("| run | precision | epochs | s/epoch | train img/s | minutes | best val acc | test acc | test acc, no TTA |")
     print("|---|---|---|---|---|---|---|---|---|")
-    runs = [read_results(Path(run_dir) / "results.json") for run_dir in run_dirs]
     for run_dir, results in zip(run_dirs, runs, strict=True):
         stopped = " (early stop)" if results.stopped_early else ""
         best = (f"{results.best_val_accuracy:.4f} (epoch {results.best_epoch})"
@@ -36,4 +42,4 @@ def main(run_dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main))

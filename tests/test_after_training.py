@@ -20,6 +20,7 @@ from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 
+import summarize_runs
 from conftest import CLASS_NAMES, REPO, make_images, read_results, run_cli, tiny_args, train_in_process
 
 
@@ -345,3 +346,14 @@ def test_fp16_on_a_cpu_says_it_runs_in_fp32(trained_run, cli_env, tmp_path, modu
     assert len(warnings) == 1 and f"{work} runs in fp32" in warnings[0]
     if module == "evaluate":
         assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["mixed_precision"] == "no"
+
+
+def test_summarize_runs_tables_finished_runs_and_refuses_a_folder_without_results(trained_run, tmp_path, capsys):
+    assert run_main(summarize_runs.main, [str(trained_run), str(trained_run)]) == 0
+    out = capsys.readouterr().out
+    results = read_results(trained_run)
+    assert f"| {trained_run.name} | {results['mixed_precision']} | {results['epochs_completed']} | " in out
+    assert f"2 runs: test accuracy mean {results['test_accuracy']:.4f}, min {results['test_accuracy']:.4f}" in out
+    assert run_main(summarize_runs.main, [str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {tmp_path / 'results.json'} is not the results.json of a finished run")
