@@ -4,6 +4,7 @@
 python scripts/write_results_table.py
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ def reports() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help, and no arguments
     readme = REPO / "README.md"
     text = readme.read_text()
     before, rest = text.split(BEGIN)
