@@ -51,22 +51,30 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
     return proc, time.perf_counter()
 
 
+def stop(pids: list[int]) -> None:
+    """SIGTERM to each process (a launcher passes it on to its run), then wait for it."""
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+
 def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dict[str, dict[str, float]]:
     """Wait for every process of ``runs``, each timed when it exits (whichever exits first): its wall and CPU
-    seconds (user + system, its children included). Ctrl-C stops both, and the script."""
+    seconds (user + system, its children included). Ctrl-C stops both, and the script; so does either failing,
+    since a pair is timed as a whole and the other would run on for nothing."""
     names = {proc.pid: name for name, (proc, _) in runs.items()}
     times = {}
     while names:
         try:
             pid, status, usage = os.wait4(-1, 0)
         except KeyboardInterrupt:
-            for pid in names:
-                os.kill(pid, signal.SIGTERM)
-                os.waitpid(pid, 0)
+            stop(list(names))
             print(f"stopped; the pair in {folder} is not finished: the same command runs it again", file=sys.stderr)
             raise SystemExit(130) from None
         name, code = names.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0:
+            stop(list(names))
             sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
         times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
     return times
@@ -194,6 +202,8 @@ def main() -> None:
         for seed, (folder, run_dir) in folders.items()
         if (folder / "pair.json").exists()
     }
+    if len(earlier) < len(folders) and not Path(args.anchor).is_file():
+        parser.error(f"--anchor {args.anchor} is not a file; give the path of airbench94_muon_cpu.py")
     output_dir.mkdir(parents=True, exist_ok=True)
     # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
     load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))

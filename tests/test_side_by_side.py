@@ -121,3 +121,38 @@ def test_a_pair_that_did_not_finish_runs_again_and_replaces_its_preset_run(
     assert pair["preset"]["command"][-1] == "--overwrite_output_dir"
     assert (out / "no_seed0" / "results.json").stat().st_mtime_ns != earlier
     assert pair["preset"]["tta"] == read_results(out / "no_seed0")["test_accuracy"]
+
+
+def running_commands_naming(folder: Path) -> list[str]:
+    """The command lines of this machine's processes that name ``folder``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
+        if str(folder) in command:
+            found.append(command)
+    return found
+
+
+def test_an_anchor_that_fails_stops_the_preset_and_the_script(tiny_dataset, cli_env, tmp_path):
+    """The pair is timed as a whole: the preset, with a long run ahead of it, is stopped when the anchor fails,
+    not left to run on after the script has exited."""
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text("raise SystemExit(3)\n")
+    out = tmp_path / "pair"
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, "--num_train_epochs", "200", anchor=anchor)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: the anchor failed (exit code 3); see {out / 'seed0' / 'anchor.log'}"
+    assert running_commands_naming(out) == []
+    assert not (out / "no_seed0" / "results.json").exists() and not (out / "seed0" / "pair.json").exists()
+
+
+def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(tiny_dataset, cli_env, tmp_path):
+    out = tmp_path / "pair"
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=tmp_path / "absent.py")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(f"--anchor {tmp_path / 'absent.py'} is not a file; give the path of "
+                                        "airbench94_muon_cpu.py")  # fmt: skip
+    assert not out.exists()
