@@ -6,7 +6,8 @@
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused, an
 interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes on where
-it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no more).
+it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no more, and so
+does a run that fails).
 ``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The
 report is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It gives each
@@ -29,7 +30,7 @@ import sys
 import threading
 import typing
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +144,13 @@ class TrainingProcesses:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
 
-    def stop(self, number: int, frame: object = None) -> None:
+    def stop(self, number: int, frame: object = None) -> int:
+        """Pass signal ``number`` on to the runs in training, and start no other; returns how many it reached."""
         with self._lock:
             self.signal_number = number
             for proc in self._running:
                 proc.send_signal(number)
+            return len(self._running)
 
     def run(self, command: list[str], **kwargs: Any) -> subprocess.CompletedProcess | None:
         """Run ``command`` to its end, its stderr captured; None where a stop was requested before it started."""
@@ -515,11 +518,14 @@ def compare(
             key: pool.submit(train_run, processes, train_args, key[0], key[1], folder, threads)
             for key, folder in folders.items()
         }
-        try:
-            finished = {key: future.result() for key, future in futures.items()}
-        except (InputError, RunFault):
-            pool.shutdown(cancel_futures=True)  # the runs not started yet; those training finish first
-            raise
+        wait(futures.values(), return_when=FIRST_EXCEPTION)
+        failed = next((future.exception() for future in futures.values() if future.done() and future.exception()), None)
+        if failed is not None:  # the other runs in training stop at a checkpoint, which the same command resumes
+            if processes.stop(signal.SIGTERM):
+                logger.info("a run failed: stopping the others at a checkpoint; the same command resumes them")
+            pool.shutdown(cancel_futures=True)  # the runs not started yet
+            raise failed
+        finished = {key: future.result() for key, future in futures.items()}
     if processes.signal_number:
         stopped = [folders[key].name for key, results in finished.items() if results is None]
         raise Stopped(

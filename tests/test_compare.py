@@ -212,6 +212,27 @@ def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(
     assert not (out / "bf16_seed42").exists() and not (out / "report.json").exists()
 
 
+def test_a_run_that_fails_stops_the_run_in_training_and_the_comparison_at_once(tiny_dataset, cli_env, tmp_path):
+    """Seed 7's folder holds a config.yaml of the user's, so its run is refused; seed 42's, with a long run ahead of
+    it, is stopped then (as a signal stops it), not trained to its end before the failure is reported."""
+    out = tmp_path / "report"
+    (out / "no_seed7").mkdir(parents=True)
+    (out / "no_seed7" / "config.yaml").write_text("mine\n")
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "1000", "--early_stopping_patience", "0",
+                     "--max_train_samples", "150", "--precisions", "no", "--seeds", "42", "7",
+                     "--jobs", "2")  # fmt: skip
+    proc = run_cli(args, cli_env, module="cifar_accel.compare", timeout=120)
+    assert proc.returncode == 2
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(
+        f"error: the no run (seed 7) in {out / 'no_seed7'} failed: '{out / 'no_seed7' / 'config.yaml'}' is not a "
+        "config a run wrote"
+    )
+    assert "a run failed: stopping the others at a checkpoint; the same command resumes them" in proc.stdout
+    assert not (out / "no_seed42" / "results.json").exists() and not (out / "report.json").exists()
+    assert (out / "no_seed7" / "config.yaml").read_text() == "mine\n"
+
+
 def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_path):
     proc = run_cli(compare_args(tiny_dataset, tmp_path / "out", "--learning_rate", "-1"), cli_env,
                    module="cifar_accel.compare")  # fmt: skip
