@@ -113,6 +113,7 @@ class Stdout:
     def __init__(self, stream: typing.TextIO) -> None:
         self.stream, self.reader_gone = stream, False
         self.on_reader_gone: Callable[[], None] = lambda: None
+        self.failure: RunFault | None = None  # a write that failed otherwise (a full disk), reported at the end
 
     def write(self, text: str) -> int:
         try:
@@ -120,12 +121,26 @@ class Stdout:
         except BrokenPipeError:
             self._went_away()
             return len(text)
+        except OSError as err:
+            raise self._failed(err) from None
 
     def flush(self) -> None:
         try:
             self.stream.flush()
         except BrokenPipeError:
             self._went_away()
+        except OSError as err:
+            raise self._failed(err) from None
+
+    def _failed(self, err: OSError) -> RunFault:
+        """A write that failed for another reason than a reader gone (a full disk where the output goes), raised to
+        the writer and kept for ``run_cli``: a log call's handler would print it as a traceback, so the logging
+        module is told to stop printing its own failures."""
+        logging.raiseExceptions = False
+        self.failure = self.failure or RunFault(
+            f"writing to standard output failed ({err.strerror or err}); free space where it goes, or send it elsewhere"
+        )
+        return self.failure
 
     def __getattr__(self, name: str) -> typing.Any:  # isatty, fileno, encoding, ...
         return getattr(self.stream, name)
@@ -140,12 +155,16 @@ class Stdout:
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` with ``sys.stdout`` a ``Stdout``, and turn exceptions into the exit-code contract: one
     line on stderr for a failure, with at most ``MAX_ERROR_CHARACTERS`` characters."""
-    stdout = sys.stdout
-    sys.stdout = Stdout(stdout)
+    stdout, raise_exceptions = sys.stdout, logging.raiseExceptions
+    sys.stdout = ours = Stdout(stdout)
     try:
-        return _exit_code(main, argv)
+        code = _exit_code(main, argv)
+        if code == 0 and ours.failure is not None:  # seen only by a log call, which kept it to itself
+            print_error(f"error: {one_line(ours.failure)}")
+            return 1
+        return code
     finally:
-        sys.stdout = stdout
+        sys.stdout, logging.raiseExceptions = stdout, raise_exceptions
 
 
 def print_error(line: str) -> None:

@@ -904,6 +904,25 @@ def test_a_reader_of_stdout_that_goes_away_stops_the_run_as_sigpipe_would(tiny_d
     assert read_results(out)["epochs_completed"] == 3
 
 
+@pytest.mark.parametrize("module", ["cifar_accel.train", "cifar_accel.predict"])
+def test_stdout_on_a_full_disk_is_one_line_and_exit_code_1(finished_run, tiny_dataset, cli_env, tmp_path, module):
+    """``train > log`` where the disk is full (/dev/full): one line naming the failed write, where every log call
+    printed a traceback and the end blamed the tracker files."""
+    if module == "cifar_accel.train":
+        args = tiny_args(tiny_dataset, tmp_path / "run")
+    else:
+        make_images(1, 0)[0][0].save(tmp_path / "one.png")
+        args = ["--model", str(finished_run), str(tmp_path / "one.png")]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", module, *args], env=cli_env, stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "error: writing to standard output failed (No space left on device); free space where it goes, or send it "
+        "elsewhere\n"
+    )
+
+
 class SignalAfterTheLastEpoch(RunBookkeeper):
     def end_epoch(self, train: dict, val: dict):
         record = super().end_epoch(train, val)
