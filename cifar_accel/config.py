@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import os
 import re
+import shlex
 import stat
 import types
 import typing
@@ -452,6 +453,18 @@ def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word: str) -> str:
+    """Why ``word``, a value no flag took, is there, where it follows a text flag and its one value: a list
+    (``--report_to tensorboard mlflow``, whose names go with commas) or a path with a space, not quoted."""
+    position = argv.index(word)
+    action = parser._option_string_actions.get(argv[position - 2]) if position >= 2 else None
+    if action is None or action.dest not in _TYPES or _unwrap(_TYPES[action.dest])[0] is not str:
+        return ""
+    flag, value = argv[position - 2], argv[position - 1]
+    together = f"{value},{word}" if action.dest == "report_to" else shlex.quote(f"{value} {word}")
+    return f"; {flag} takes one value, '{value}' here: give {flag} {together} if both are meant"
+
+
 def check_field(name: str, value: Any, origin: str) -> Any:
     """Return ``value`` as the field's type, or raise InputError naming ``origin``, the field and what it
     accepts (``schema.check_value``, with the field's bounds, and its pattern for strings)."""
@@ -644,7 +657,9 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         options = [o for a in parser._actions for o in a.option_strings]
-        raise InputError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options)}")
+        raise InputError(
+            f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options) or _left_over(parser, argv, flag)}"
+        )
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
     from_file = read_config_file(config_path(args.config)) if hasattr(args, "config") else {}
 

@@ -140,6 +140,16 @@ def test_bad_config_files_are_refused(tmp_path, yaml_text, message):
     ("argv", "message"),
     [
         (["--learning_rat", "0.1"], "unknown argument '--learning_rat'; did you mean '--learning_rate'?"),
+        (
+            ["--report_to", "tensorboard", "mlflow"],
+            "unknown argument 'mlflow'; --report_to takes one value, 'tensorboard' here: give --report_to "
+            "tensorboard,mlflow if both are meant",
+        ),
+        (
+            ["--output_dir", "my", "run"],
+            "unknown argument 'run'; --output_dir takes one value, 'my' here: give --output_dir 'my run' if both are "
+            "meant",
+        ),
         (["--lr", "abc"], "invalid float value: 'abc'"),
         (["--lr", "-1"], "'learning_rate' must be > 0"),
         (["--val_ratio", "-0.1"], "'val_ratio' must be >= 0"),
@@ -151,6 +161,12 @@ def test_bad_flags_are_refused(argv, message):
     with pytest.raises(InputError) as err:
         load_config(argv)
     assert message in str(err.value)
+
+
+def test_a_number_left_over_gets_no_advice_to_quote_it():
+    with pytest.raises(InputError) as err:
+        load_config(["--lr", "0.1", "0.2"])
+    assert str(err.value) == "unknown argument '0.2'"
 
 
 @pytest.mark.parametrize(
