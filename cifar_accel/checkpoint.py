@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,9 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
     ]
     if differences:
         settings = path.parent.parent / CONFIG_FILE  # the effective config of the run that saved the checkpoint
-        original = f": add --config {settings} (flags still override it)" if settings.is_file() else ""
+        original = (
+            f": add --config {shlex.quote(str(settings))} (flags still override it)" if settings.is_file() else ""
+        )
         raise InputError(
             f"checkpoint '{path}' was made with a different config ({'; '.join(differences)}); "
             f"resume with the original settings{original}, or start a new --output_dir"
@@ -308,7 +311,7 @@ def check_resumed_epochs(path: Path, state: TrainerState, num_train_epochs: int)
         raise InputError(
             f"checkpoint '{path}' has trained {done}, more than --num_train_epochs {num_train_epochs}; resume with "
             f"--num_train_epochs {started} or more, or evaluate the run as it is with 'python -m cifar_accel.evaluate "
-            f"--model {path}'"
+            f"--model {shlex.quote(str(path))}'"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,11 +21,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cifar_accel.checkpoint import (
     STATE_FILE,
     TrainerState,
+    check_resumed_epochs,
     complete_checkpoints,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from cifar_accel.errors import InputError
 
 from conftest import (
     assert_same_run,
@@ -171,6 +174,14 @@ def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, train_her
         "the run as it is with 'python -m cifar_accel.evaluate --model " + str(complete_checkpoints(out)[-1]) + "'"
     )
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_the_evaluate_command_of_that_refusal_holds_a_path_with_spaces_whole(tmp_path):
+    checkpoint = tmp_path / "my runs" / "run 1" / "checkpoints" / "step_00000018"
+    with pytest.raises(InputError) as refusal:
+        check_resumed_epochs(checkpoint, TrainerState(epoch=2, global_step=18), num_train_epochs=1)
+    command = str(refusal.value).split("evaluate the run as it is with '", 1)[1].removesuffix("'")
+    assert shlex.split(command) == ["python", "-m", "cifar_accel.evaluate", "--model", str(checkpoint)]
 
 
 def test_a_moved_dataset_resumes_and_other_data_at_its_path_is_refused(tiny_dataset, train_here, tmp_path):
