@@ -37,6 +37,10 @@ IMAGE_SIZE = 32
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
+DATASET_LAYOUTS = "Hub layout: data/train-*.parquet; image folder: train/<class>/"
+SAMPLES_FLAGS = {"--split": "--max_eval_samples", "--check_split": "--check_samples"}  # each split flag's first-N flag
+
+
 def local_copy_hint(dataset_flag: str) -> str:
     return f"pass {dataset_flag} with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
@@ -83,10 +87,7 @@ def check_dataset_path(dataset_name: str, dataset_flag: str = "--dataset_name") 
     if looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
         raise InputError(f"dataset path '{dataset_name}' does not exist; {local_copy_hint(dataset_flag)}")
     if looks_like_path(dataset_name) and Path(dataset_name).expanduser().is_file():
-        raise InputError(
-            f"dataset path '{dataset_name}' is a file; pass the dataset's folder (Hub layout: data/train-*.parquet; "
-            "image folder: train/<class>/)"
-        )
+        raise InputError(f"dataset path '{dataset_name}' is a file; pass the dataset's folder ({DATASET_LAYOUTS})")
 
 
 def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault | None:
@@ -138,9 +139,20 @@ def load_raw(
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
         if not isinstance(err, (FileNotFoundError, ValueError)):
             raise  # a fault of the machine (an I/O error), reported as such
-        raise InputError(f"cannot load dataset '{dataset_name}': {err}") from None
+        fix = (
+            f"; pass a folder that datasets.load_dataset reads ({DATASET_LAYOUTS})"
+            if looks_like_path(dataset_name)
+            else ""
+        )
+        raise InputError(f"cannot load dataset '{dataset_name}': {err}{fix}") from None
     for split in splits:
         if split not in raw:
+            name = split.partition("[")[0]
+            if split_flag and name in raw and split.endswith("]"):  # datasets' slice syntax, test[:100]
+                raise InputError(
+                    f"{split_flag} takes a split's name, not a slice ('{split}'): give {split_flag} {name}, and "
+                    f"{SAMPLES_FLAGS[split_flag]} N for its first N images"
+                )
             fix = (
                 f"pick one of them with {split_flag}"
                 if split_flag

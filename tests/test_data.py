@@ -201,6 +201,23 @@ def test_a_missing_split_is_named_with_its_fix(tmp_path):
     with pytest.raises(InputError, match=r"no 'validation' split \(splits: train\); pick one of them with --split$"):
         load_split(str(root), "validation", None, None, None)
     assert len(load_split(str(root), "train", None, None, None)[0]) == 40
+    # datasets' slice syntax names the split and the flag that takes the first N images
+    with pytest.raises(InputError, match=r"^--split takes a split's name, not a slice \('train\[:10\]'\): give --split "
+                       r"train, and --max_eval_samples N for its first N images$"):  # fmt: skip
+        load_split(str(root), "train[:10]", None, None, None)
+    with pytest.raises(InputError, match=r"no 'tset\[:10\]' split \(splits: train\); pick one of them with --split$"):
+        load_split(str(root), "tset[:10]", None, None, None)
+
+
+def test_a_folder_without_data_files_is_named_with_the_layouts_read(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError) as refused:
+        load_data(config_for(tmp_path / "empty"))
+    assert str(refused.value).startswith(f"cannot load dataset '{tmp_path / 'empty'}': ")
+    assert str(refused.value).endswith(
+        "; pass a folder that datasets.load_dataset reads (Hub layout: data/train-*.parquet; image folder: "
+        "train/<class>/)"
+    )
 
 
 @pytest.mark.parametrize("below", ["cache", "deeper/cache"])  # the cache, or a folder above it, cannot be made

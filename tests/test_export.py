@@ -144,6 +144,8 @@ def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, 
         (["--check_samples", "0"], "--check_samples must be at least 1"),
         (["--check_split", "validation", "--output", "{tmp}/x.onnx"],
          "no 'validation' split (splits: train, test); pick one of them with --check_split"),
+        (["--check_split", "test[:10]", "--output", "{tmp}/x.onnx"],
+         "give --check_split test, and --check_samples N for its first N images"),
     ],
 )  # fmt: skip
 def test_bad_export_flags_are_refused_before_anything_is_written(cifar100_run, tmp_path, capsys, flags, problem):
