@@ -37,7 +37,8 @@ from typing import Any
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import CHECKED_BY_CONTENT, complete_checkpoints
-from cifar_accel.config import FIELDS, Precision, TrainConfig, load_config, read_config_file
+from cifar_accel.config import FIELDS, Precision, TrainConfig, check_field, load_config, read_config_file
+from cifar_accel.config import build_parser as train_parser
 from cifar_accel.errors import (
     ArgumentParser,
     InputError,
@@ -95,6 +96,24 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--output_dir", type=non_empty, default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
+
+
+SET_PER_RUN = {  # training flags that compare gives each run, with what to give compare instead
+    "seed": "compare gives each run its --seed from --seeds: give --seeds {value}",
+    "mixed_precision": "compare gives each run its --mixed_precision from --precisions: give --precisions {value}",
+    "resume_from_checkpoint": "compare resumes its unfinished runs and reuses its finished ones itself: run the same "
+    "command again without it",
+}
+
+
+def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
+    """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen."""
+    given = vars(train_parser().parse_known_args(train_args)[0])
+    for name, fix in SET_PER_RUN.items():
+        if name in given:
+            raise InputError(f"--{name} {given[name]} is not for compare; {fix.format(value=given[name])}")
+    for seed in args.seeds:
+        check_field("seed", seed, "--seeds")
 
 
 def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool = False) -> list[str]:
@@ -490,6 +509,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
+    check_train_args(args, train_args)
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report

@@ -242,6 +242,25 @@ def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_pat
     assert not any((tmp_path / "out").glob("*_seed*"))
 
 
+@pytest.mark.parametrize(
+    "flags, fix",
+    [
+        (["--seed", "3"], "--seed 3 is not for compare; compare gives each run its --seed from --seeds: give "
+         "--seeds 3"),
+        (["--mixed_precision", "bf16"], "--mixed_precision bf16 is not for compare; compare gives each run its "
+         "--mixed_precision from --precisions: give --precisions bf16"),
+        (["--resume", "latest"], "--resume_from_checkpoint latest is not for compare; compare resumes its unfinished "
+         "runs and reuses its finished ones itself: run the same command again without it"),
+        (["--seeds", "1", "-4"], "--seeds: 'seed' must be >= 0, got -4"),
+    ],
+)  # fmt: skip
+def test_training_flags_that_compare_sets_per_run_are_refused_with_its_own(tiny_dataset, tmp_path, capsys, flags, fix):
+    """Each run's own --seed, --mixed_precision and --resume_from_checkpoint come last and would win unseen."""
+    assert run_in_process(compare_cli, [*compare_args(tiny_dataset, tmp_path / "out"), *flags]) == 2
+    assert capsys.readouterr().err == f"error: {fix}\n"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on this machine's GPU")
 def test_nothing_to_run_is_refused_and_leaves_no_folder(tiny_dataset, cli_env, tmp_path):
     proc = run_cli(compare_args(tiny_dataset, tmp_path / "new" / "out", "--precisions", "fp16"), cli_env,
