@@ -37,8 +37,15 @@ from typing import Any
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.checkpoint import CHECKED_BY_CONTENT, complete_checkpoints
-from cifar_accel.config import FIELDS, Precision, TrainConfig, check_field, load_config, read_config_file
-from cifar_accel.config import build_parser as train_parser
+from cifar_accel.config import (
+    FIELDS,
+    Precision,
+    TrainConfig,
+    check_field,
+    given_flags,
+    load_config,
+    read_config_file,
+)
 from cifar_accel.errors import (
     ArgumentParser,
     InputError,
@@ -108,7 +115,7 @@ SET_PER_RUN = {  # training flags that compare gives each run, with what to give
 
 def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
     """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen."""
-    given = vars(train_parser().parse_known_args(train_args)[0])
+    given = given_flags(train_args)
     for name, fix in SET_PER_RUN.items():
         if name in given:
             raise InputError(f"--{name} {given[name]} is not for compare; {fix.format(value=given[name])}")

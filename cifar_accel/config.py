@@ -435,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def given_flags(argv: typing.Sequence[str]) -> dict[str, Any]:
+    """The training flags given in ``argv`` (aliases under their field's name), with their values; others ignored."""
+    return vars(build_parser().parse_known_args(argv)[0])
+
+
 def _unwrap(annotation: Any) -> tuple[type, tuple[str, ...] | None, bool]:
     """(base type, Literal choices or None, whether None is allowed) of a field annotation."""
     optional = False

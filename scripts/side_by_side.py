@@ -5,7 +5,9 @@ each seed's accuracy with and without test-time augmentation, wall and CPU time,
     python scripts/side_by_side.py --anchor ../shared/anchors/airbench94_muon_cpu.py \\
         --dataset_name ../shared/data/cifar10-jpeg --precision bf16 --seeds 0 1 2 --output_dir outputs/side_by_side
 
-Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --num_train_epochs 10``). Each
+Flags after ``--`` go to the preset's ``cifar_accel.train`` (for example ``-- --num_train_epochs 10``), except
+those the pair sets for both scripts (``--seed``, ``--mixed_precision``, ``--dataset_name``, ``--output_dir``:
+give the script's own) and ``--resume_from_checkpoint``. Each
 seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
 where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
 folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from cifar_accel.compare import config_differences
-from cifar_accel.config import TrainConfig, load_config
+from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import load_data
 from cifar_accel.state import read_results
 
@@ -78,6 +80,10 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
             sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
         times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
     return times
+
+
+SET_FOR_BOTH = {"seed": "--seeds", "mixed_precision": "--precision", "dataset_name": "--dataset_name",
+                "output_dir": "--output_dir"}  # fmt: skip
 
 
 def preset_flags(args: argparse.Namespace, train_args: list[str], seed: int, run_dir: Path) -> list[str]:
@@ -193,6 +199,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output_dir", default="outputs/side_by_side")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    given = given_flags(train_args)
+    for name, own in SET_FOR_BOTH.items():
+        if name in given:
+            parser.error(f"--{name} after -- would part the preset from its anchor; give {own} before --")
+    if "resume_from_checkpoint" in given:
+        parser.error(
+            "--resume_from_checkpoint after -- is not needed: the same command skips the pairs done and runs an "
+            "unfinished one again from its start, as a pair is timed whole"
+        )
     output_dir = Path(args.output_dir)
     folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
     flags = {seed: preset_flags(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}

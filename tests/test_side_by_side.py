@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import side_by_side as side_by_side_script
 
 from conftest import REPO, read_results, run_cli
 
@@ -155,4 +156,25 @@ def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(tiny_
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(f"--anchor {tmp_path / 'absent.py'} is not a file; give the path of "
                                         "airbench94_muon_cpu.py")  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--seed", "5"], "--seed after -- would part the preset from its anchor; give --seeds before --"),
+        (["--mixed_precision=bf16"], "--mixed_precision after -- would part the preset from its anchor; give "
+         "--precision before --"),
+        (["--resume", "latest"], "--resume_from_checkpoint after -- is not needed: the same command skips the pairs "
+         "done and runs an unfinished one again from its start, as a pair is timed whole"),
+    ],
+)  # fmt: skip
+def test_preset_flags_that_the_pair_sets_for_both_scripts_are_refused(tmp_path, monkeypatch, capsys, flags, problem):
+    """Flags after -- come last in the preset's command, so these would win there and not in the anchor's."""
+    out = tmp_path / "pair"
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), "--", *flags])
+    with pytest.raises(SystemExit) as refused:
+        side_by_side_script.main()
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"side_by_side.py: error: {problem}")
     assert not out.exists()
