@@ -36,6 +36,7 @@ from cifar_accel.outputs import (
     EXPORT_FILES,
     RESULTS_FILE,
     WEIGHTS_FILE,
+    check_writable,
     json_keys,
     refuse_foreign_files,
     save_atomic,
@@ -205,6 +206,7 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--output '{path}' is a folder or the weights themselves; name a new file")
     if not path.parent.is_dir():
         raise InputError(f"--output's folder '{path.parent}' does not exist; create it first")
+    check_writable(path.parent, "--output's folder", "--output")
     description_file = path.with_name(path.name + ".json")
     ours = {"format", "file", "weights"} <= json_keys(description_file)  # an earlier export's, replaced
     refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")

@@ -186,7 +186,8 @@ def save_atomic(path: Path, write: Callable[[Path], object]) -> None:
     except OSError as err:
         raise RunFault(f"writing {path} failed ({err.strerror or err}); {fix_for(err)}") from None
     finally:
-        temporary.unlink(missing_ok=True)  # already renamed, unless something failed
+        if temporary.exists():  # renamed, or never made (unlink would fail on a read-only disk), unless a write failed
+            temporary.unlink()
 
 
 # flock's errors where the filesystem has no locks: Lustre mounted without -o flock, an NFS without its lock service.
@@ -286,6 +287,18 @@ def remove_discarded_runs(folder: Path) -> None:
         shutil.rmtree(discarded, ignore_errors=True)
 
 
+def check_writable(folder: Path, what: str, flag: str) -> None:
+    """Make ``folder`` if needed and check that a file can be written in it, else refuse it in one line that names
+    it as ``what`` and the ``flag`` to change."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise InputError(f"{what} '{folder}' is not writable ({err.strerror}); choose another {flag}") from None
+
+
 @contextmanager
 def writable_output_dir(output_dir: Path) -> Iterator[Path]:
     """``output_dir`` (an --output_dir), created if needed and checked to be writable. The folders created here go
@@ -294,15 +307,7 @@ def writable_output_dir(output_dir: Path) -> Iterator[Path]:
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
     if output_dir.is_file():
         raise InputError(f"output directory '{output_dir}' is a file; choose another --output_dir")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise InputError(
-            f"output directory '{output_dir}' is not writable ({err.strerror}); choose another --output_dir"
-        ) from None
+    check_writable(output_dir, "output directory", "--output_dir")
     try:
         yield output_dir
     except BaseException:

@@ -168,6 +168,19 @@ def test_the_check_counts_disagreements(cifar100_run, cifar100_dataset):
     assert exact == {"images": 20, "same_predictions": 20, "max_probability_difference": 0.0}
 
 
+def test_a_read_only_folder_is_refused_before_the_check_and_the_export(cifar100_run, cli_env, tmp_path):
+    """Beside weights on a read-only disk (a shared copy of a run), export refuses at once; --output elsewhere."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["--model", str(disk / "run"), "--format", "pt2"]
+    before = f"cp -r {cifar100_run} {disk}/run && mount -o remount,ro {disk}"
+    error, status, _ = run_on_a_small_disk(disk, "64m", args, cli_env, before=before, module="cifar_accel.export")
+    assert [error, status] == [
+        f"error: --output's folder '{disk / 'run'}' is not writable (Read-only file system); choose another --output",
+        "exit=2",
+    ]
+
+
 @pytest.mark.parametrize("export_format", ["onnx", "pt2"])
 def test_a_full_disk_is_one_line_and_leaves_no_half_file(cifar100_run, cli_env, tmp_path, export_format):
     """torch.export.save to a file aborts the process when the disk fills; ONNX raises. Either way: exit code 1,

@@ -521,18 +521,29 @@ def test_the_grad_scaler_file_is_required_and_read_safely(finished_run, tmp_path
 # 4. Every output is written atomically.
 
 
-def test_a_full_disk_while_writing_an_output_is_one_line_and_keeps_the_old_file(tmp_path):
+@pytest.mark.parametrize(
+    "between, problem",
+    [(":", "No space left on device); free space on that disk"),
+     ("mount -o remount,ro {disk}", "Read-only file system); make that folder writable")],
+    ids=["full", "read-only"],
+)  # fmt: skip
+def test_a_full_or_read_only_disk_while_writing_an_output_is_one_line_and_keeps_the_old_file(
+    tmp_path, between, problem
+):
+    """A 128 KiB disk, full or remounted read-only after the earlier file was written (as a filesystem with errors
+    is); removing the temporary file that was never made must not fail there either."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) for a private tmpfs")
     disk = tmp_path / "small_disk"
     disk.mkdir()
-    program = (
+    start = (
         "import sys; from pathlib import Path; from cifar_accel.outputs import write_atomic; "
-        "from cifar_accel.errors import run_cli; "
-        f"path = Path('{disk}') / 'results.json'; write_atomic(path, 'the earlier results'); "
-        "sys.exit(run_cli(lambda argv: write_atomic(path, 'x' * 300_000)))"
+        f"from cifar_accel.errors import run_cli; path = Path('{disk}') / 'results.json'; "
     )
-    script = f"mount -t tmpfs -o size=128k tmpfs {disk} || exit 99; {sys.executable} -c \"{program}\"; " \
+    earlier = start + "write_atomic(path, 'the earlier results')"
+    program = start + "sys.exit(run_cli(lambda argv: write_atomic(path, 'x' * 300_000)))"
+    script = f"mount -t tmpfs -o size=128k tmpfs {disk} || exit 99; {sys.executable} -c \"{earlier}\"; " \
+             f"{between.format(disk=disk)} || exit 98; {sys.executable} -c \"{program}\"; " \
              f'echo "exit=$?" >&2; ls -A {disk}; cat {disk}/results.json'  # fmt: skip
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
@@ -540,7 +551,7 @@ def test_a_full_disk_while_writing_an_output_is_one_line_and_keeps_the_old_file(
         pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-200:]}")
     error, status = proc.stderr.strip().splitlines()
     assert status == "exit=1"
-    assert error.startswith("error: writing ") and "results.json failed (No space left on device)" in error
+    assert error == f"error: writing {disk / 'results.json'} failed ({problem}"
     assert proc.stdout.split() == ["results.json", "the", "earlier", "results"]  # no temporary file left
 
 
