@@ -6,8 +6,8 @@
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused, an
 interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes on where
-it was when started again (SIGINT or SIGTERM stops the runs in training at a checkpoint and starts no more, and so
-does a run that fails).
+it was when started again (SIGINT, SIGTERM or SIGHUP stops the runs in training at a checkpoint and starts no more,
+and so does a run that fails).
 ``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The
 report is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It gives each
@@ -70,6 +70,7 @@ from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.processes import require_one_process
 from cifar_accel.state import RunResults, read_results
+from cifar_accel.stopping import stop_signals
 from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
@@ -151,9 +152,9 @@ def finished_results(run_dir: Path) -> RunResults | None:
 
 class TrainingProcesses:
     """The comparison's training processes, each started in a process group of its own, so that a stop request
-    (SIGINT, SIGTERM) reaches each of them exactly once, from here: the runs in training stop at their next
+    (SIGINT, SIGTERM, SIGHUP) reaches each of them exactly once, from here: the runs in training stop at their next
     optimizer step with a checkpoint (a second SIGINT at once, as for any run), and no run starts after it. Use it
-    as a context manager around the runs; it handles the two signals while it is entered."""
+    as a context manager around the runs; it handles those signals while it is entered."""
 
     def __init__(self) -> None:
         self.signal_number = 0
@@ -162,7 +163,7 @@ class TrainingProcesses:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> TrainingProcesses:
-        for number in (signal.SIGINT, signal.SIGTERM):
+        for number in stop_signals():
             self._previous[number] = signal.signal(number, self.stop)
         return self
 

@@ -2,8 +2,8 @@
 
 0 success; 2 bad input (config, flags, data, checkpoint); 1 a fault at run
 time. Both failures print one line on stderr; ``--debug`` shows the traceback.
-A run stopped by SIGINT or SIGTERM exits with 130 or 143 after saving a checkpoint, and one whose stdout
-reader went away (``| head``) with 141, as SIGPIPE would.
+A run stopped by SIGINT, SIGTERM or SIGHUP exits with 130, 143 or 129 after saving a checkpoint, and one whose
+stdout reader went away (``| head``) with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class InputError(Exception):
 
 
 class Stopped(BaseException):
-    """The run was stopped on request (SIGINT, SIGTERM). Like KeyboardInterrupt it is not an error, so the
+    """The run was stopped on request (SIGINT, SIGTERM, SIGHUP). Like KeyboardInterrupt it is not an error, so the
     ``except Exception`` around a decode or a file check cannot mistake it for one."""
 
     def __init__(self, message: str, exit_code: int) -> None:

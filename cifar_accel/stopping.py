@@ -1,5 +1,5 @@
-"""Stopping on request: SIGINT or SIGTERM, whenever it arrives, or the reader of stdout going away (``| head``),
-taken as SIGPIPE.
+"""Stopping on request: SIGINT, SIGTERM or SIGHUP (the terminal closed; not under ``nohup``, which ignores it),
+whenever it arrives, or the reader of stdout going away (``| head``), taken as SIGPIPE.
 
 While a run is being set up (loading and decoding data, building the model) nothing of it is written yet, so a
 signal stops it at once. Once it writes, a signal is recorded instead and the run stops at the next safe point:
@@ -19,8 +19,14 @@ from accelerate import Accelerator
 from cifar_accel.errors import Stdout, Stopped
 
 
+def stop_signals() -> list[int]:
+    """The signals taken as a request to stop: SIGINT, SIGTERM, and SIGHUP unless this process ignores it."""
+    hangup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGINT, signal.SIGTERM, *hangup]
+
+
 class StopRequest:
-    """SIGINT/SIGTERM handling for one run; use it as a context manager around the run."""
+    """SIGINT/SIGTERM/SIGHUP handling for one run; use it as a context manager around the run."""
 
     def __init__(self) -> None:
         self.signal_number = 0
@@ -28,7 +34,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
-        for number in (signal.SIGINT, signal.SIGTERM):
+        for number in stop_signals():
             self._previous[number] = signal.signal(number, self._record)
         if isinstance(sys.stdout, Stdout):
             sys.stdout.on_reader_gone = self._reader_gone

@@ -434,7 +434,7 @@ def run_training(
 ) -> RunResults:
     """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds.
 
-    A SIGINT or SIGTERM stops the set-up at once, since nothing is written yet; from the first write on, it
+    A SIGINT, SIGTERM or SIGHUP stops the set-up at once, since nothing is written yet; from the first write on, it
     stops the run after the current optimizer step with a checkpoint, or after the final test and export.
     """
     with StopRequest() as stop:

@@ -114,17 +114,36 @@ class CtrlCUnderTheLauncherAtStep5(SignalAtStep5):
     signals = (signal.SIGINT, signal.SIGTERM)  # the terminal's SIGINT, then the one `accelerate launch` sends on
 
 
-def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path):
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])  # a scheduler's stop, a closed terminal
+def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path, monkeypatch, number):
     run = small_run(tmp_path)
+    monkeypatch.setattr(SignalAtStep5, "signals", (number,))
     books = SignalAtStep5(run, StopRequest())
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(number)
     with books.stop, pytest.raises(Stopped) as stop:
         books.stop.defer()  # as once the run writes: record the signal, stop at the next optimizer step
         train_epoch(run, books, epoch=0)
-    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
-    assert stop.value.exit_code == 143
-    assert str(stop.value).startswith("stopped by SIGTERM after 0 epochs and 5 batches (optimizer step 5); saved ")
+    assert signal.getsignal(number) == previous  # the handler is put back
+    assert stop.value.exit_code == 128 + number
+    assert str(stop.value).startswith(
+        f"stopped by {signal.Signals(number).name} after 0 epochs and 5 batches (optimizer step 5); saved "
+    )
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005"]
+
+
+def test_under_nohup_a_hangup_is_no_stop_request(tmp_path):
+    """nohup starts the run with SIGHUP ignored: closing the terminal must not stop it, so that stays as it is."""
+    run = small_run(tmp_path)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        books = type("HangupAtStep5", (SignalAtStep5,), {"signals": (signal.SIGHUP,)})(run, StopRequest())
+        with books.stop:
+            books.stop.defer()
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            train_epoch(run, books, epoch=0)
+        assert books.state.global_step > 5 and books.stop.signal_number == 0
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_overflows_are_skipped_and_counted_and_too_many_in_a_row_stop_the_run(tmp_path):

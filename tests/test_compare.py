@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.compare import add_ratios, markdown
+from cifar_accel.compare import TrainingProcesses, add_ratios, markdown
 from cifar_accel.compare import main as compare_cli
 from cifar_accel.errors import run_cli as run_in_process
 
@@ -210,6 +211,20 @@ def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(
     assert re.search(r"no_seed42: stopped by SIGINT after \d+ epochs and ", stdout)  # its line: one SIGINT came
     assert complete_checkpoints(out / "no_seed42") and not (out / "no_seed42" / "results.json").exists()
     assert not (out / "bf16_seed42").exists() and not (out / "report.json").exists()
+
+
+def test_a_closed_terminal_reaches_the_runs_too(tmp_path):
+    """The runs are in sessions of their own, so a hangup reaches the comparison only: it passes SIGHUP on (each
+    run stops at a checkpoint as for SIGTERM) and starts no other run."""
+    with TrainingProcesses() as processes, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(processes.run, ["sh", "-c", f"touch {tmp_path}/started; exec sleep 60"])
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert running.result(timeout=30).returncode == -signal.SIGHUP
+        assert processes.signal_number == signal.SIGHUP and processes.run(["true"]) is None
 
 
 def test_a_run_that_fails_stops_the_run_in_training_and_the_comparison_at_once(tiny_dataset, cli_env, tmp_path):
