@@ -70,7 +70,7 @@ from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.processes import require_one_process
 from cifar_accel.state import RunResults, read_results
-from cifar_accel.stopping import stop_signals
+from cifar_accel.stopping import STOP_WITH_PARENT, stop_signals
 from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
@@ -180,11 +180,15 @@ class TrainingProcesses:
             return len(self._running)
 
     def run(self, command: list[str], **kwargs: Any) -> subprocess.CompletedProcess | None:
-        """Run ``command`` to its end, its stderr captured; None where a stop was requested before it started."""
+        """Run ``command`` to its end, its stderr captured; None where a stop was requested before it started. The
+        run stops at a checkpoint when this process ends, even by SIGKILL (``stopping.stop_with_parent``)."""
+        env = {**kwargs.pop("env", os.environ), STOP_WITH_PARENT: str(os.getpid())}
         with self._lock:
             if self.signal_number:
                 return None
-            proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+            proc = subprocess.Popen(
+                command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env, **kwargs
+            )
             self._running.add(proc)
         try:
             _, stderr = proc.communicate()

@@ -9,6 +9,8 @@ the stop; a second SIGINT stops at once.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import sys
 from types import FrameType
@@ -17,6 +19,20 @@ import torch
 from accelerate import Accelerator
 
 from cifar_accel.errors import Stdout, Stopped
+
+STOP_WITH_PARENT = "CIFAR_ACCEL_STOP_WITH_PARENT"  # set by compare for its runs: its own pid
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def stop_with_parent() -> None:
+    """Ask for SIGTERM when the process named by STOP_WITH_PARENT ends, however it ends (SIGKILL too), so that a run
+    compare started stops at a checkpoint with it instead of training on unseen. Linux only (prctl)."""
+    parent = os.environ.pop(STOP_WITH_PARENT, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_signals() -> list[int]:
@@ -38,6 +54,7 @@ class StopRequest:
             self._previous[number] = signal.signal(number, self._record)
         if isinstance(sys.stdout, Stdout):
             sys.stdout.on_reader_gone = self._reader_gone
+        stop_with_parent()
         return self
 
     def __exit__(self, *exc_info: object) -> None:

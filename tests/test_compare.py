@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -225,6 +226,31 @@ def test_a_closed_terminal_reaches_the_runs_too(tmp_path):
         os.kill(os.getpid(), signal.SIGHUP)
         assert running.result(timeout=30).returncode == -signal.SIGHUP
         assert processes.signal_number == signal.SIGHUP and processes.run(["true"]) is None
+
+
+def test_a_comparison_killed_by_sigkill_takes_its_run_down_at_a_checkpoint(tiny_dataset, cli_env, tmp_path):
+    """SIGKILL leaves the comparison no handler to pass a stop on with: the run asked the kernel for SIGTERM when
+    its parent ends, so it stops at a checkpoint instead of training its 1000 epochs unseen."""
+    out = tmp_path / "report"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "1000", "--early_stopping_patience", "0",
+                     "--max_train_samples", "150", "--precisions", "no", "--seeds", "42")  # fmt: skip
+    comparison = subprocess.Popen([sys.executable, "-m", "cifar_accel.compare", *args], env=cli_env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    run, deadline = out / "no_seed42", time.monotonic() + 120
+    while not (complete_checkpoints(run) and (run / ".lock").exists()):
+        assert comparison.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    comparison.kill()
+    comparison.wait()
+    deadline = time.monotonic() + 60
+    try:
+        while (run / ".lock").exists():  # the run holds its folder until it ends
+            assert time.monotonic() < deadline, "the run trains on after its comparison was killed"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(OSError, ValueError):  # a run left training would slow the rest of the suite
+            os.kill(json.loads((run / ".lock").read_text())["pid"], signal.SIGKILL)
+    assert complete_checkpoints(run) and not (run / "results.json").exists()
 
 
 def test_a_run_that_fails_stops_the_run_in_training_and_the_comparison_at_once(tiny_dataset, cli_env, tmp_path):
