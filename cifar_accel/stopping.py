@@ -20,18 +20,32 @@ from accelerate import Accelerator
 
 from cifar_accel.errors import Stdout, Stopped
 
-STOP_WITH_PARENT = "CIFAR_ACCEL_STOP_WITH_PARENT"  # set by compare for its runs: its own pid
+STOP_WITH_PARENT = "CIFAR_ACCEL_STOP_WITH_PARENT"  # the pid of the command that started a run
 PR_SET_PDEATHSIG = 1  # prctl(2)
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
+
+
+def term_when_parent_ends(parent: int) -> None:
+    """Ask the kernel for SIGTERM to this process when its parent, pid ``parent``, ends, however it ends (SIGKILL
+    too). Linux only (prctl); elsewhere nothing."""
+    if LIBC is None:
+        return
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_with_parent() -> None:
-    """Ask for SIGTERM when the process named by STOP_WITH_PARENT ends, however it ends (SIGKILL too), so that a run
-    compare started stops at a checkpoint with it instead of training on unseen. Linux only (prctl)."""
-    parent = os.environ.pop(STOP_WITH_PARENT, None)
-    if parent is None or not sys.platform.startswith("linux"):
+    """A run that compare or scripts/side_by_side.py started (STOP_WITH_PARENT names it) stops at a checkpoint when
+    its parent ends, instead of training on unseen: that command itself, or the launcher between them, which the
+    command's end ends."""
+    starter = os.environ.pop(STOP_WITH_PARENT, None)
+    if starter is None:
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # it ended before the request was made
+    term_when_parent_ends(os.getppid())
+    try:
+        os.kill(int(starter), 0)
+    except ProcessLookupError:  # it ended before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
 
 

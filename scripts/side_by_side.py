@@ -11,11 +11,11 @@ give the script's own) and ``--resume_from_checkpoint``. Each
 seed's pair writes ``seed<N>/`` (both logs and ``pair.json``) and the preset's run folder ``<precision>_seed<N>/``,
 where ``python -m cifar_accel.compare --config fast --precisions <precision> --seeds ... --output_dir`` (the same
 folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` exists is not run again, so a
-stopped comparison (Ctrl-C stops both scripts) goes on where it was; a pair that did not finish runs again from the
-start, over its preset run, since a pair is timed as a whole. A pair whose anchor ran another command, or whose
-preset run has another config (precision, data or a training flag), stops the script instead. The table is
-``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names are those each preset run recorded in its
-``results.json``.
+stopped comparison (Ctrl-C stops both scripts, and so does the script's own end, even by SIGKILL) goes on where it
+was; a pair that did not finish runs again from the start, over its preset run, since a pair is timed as a whole.
+A pair whose anchor ran another command, or whose preset run has another config (precision, data or a training
+flag), stops the script instead. The table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it
+names are those each preset run recorded in its ``results.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -26,6 +26,7 @@ training and TTA evaluation, the preset its epochs and test.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -41,15 +42,23 @@ from cifar_accel.compare import config_differences
 from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import load_data
 from cifar_accel.state import read_results
+from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 ANCHOR_RESULT = re.compile(r"tta_acc (?P<tta>[\d.]+) plain_acc (?P<plain>[\d.]+) time (?P<own>[\d.]+) s")
 
 
 def start(command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
-    """``command`` started on one thread, its output to ``log``; and when it started."""
+    """``command`` started on one thread, its output to ``log``; and when it started. It gets SIGTERM when this
+    script ends, even by SIGKILL, rather than run on unseen; a run under the launcher stops when the launcher ends."""
     with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ONE_THREAD, STOP_WITH_PARENT: str(os.getpid())},
+            preexec_fn=functools.partial(term_when_parent_ends, os.getpid()),  # one prctl call, taking no lock
+        )
     return proc, time.perf_counter()
 
 

@@ -4,10 +4,14 @@ pair's; its pair.json is what the script writes after a pair."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +152,35 @@ def test_an_anchor_that_fails_stops_the_preset_and_the_script(tiny_dataset, cli_
     assert proc.stderr.strip() == f"error: the anchor failed (exit code 3); see {out / 'seed0' / 'anchor.log'}"
     assert running_commands_naming(out) == []
     assert not (out / "no_seed0" / "results.json").exists() and not (out / "seed0" / "pair.json").exists()
+
+
+def test_the_script_killed_by_sigkill_takes_both_scripts_down(tiny_dataset, cli_env, tmp_path):
+    """Nothing of the script runs after SIGKILL to stop the pair: the anchor and the launcher asked the kernel for
+    SIGTERM when the script ends, and the preset's run for SIGTERM when the launcher ends, so neither trains on."""
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text("import time\ntime.sleep(600)\n")
+    out = tmp_path / "pair"
+    command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(tiny_dataset),
+               "--precision", "no", "--seeds", "0", "--output_dir", str(out), "--", *SCALED_DOWN,
+               "--num_train_epochs", "1000"]  # fmt: skip
+    script = subprocess.Popen(command, env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / "no_seed0" / ".lock").exists():  # the preset's run has started
+        assert script.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    script.kill()
+    script.wait()
+    deadline = time.monotonic() + 60
+    try:
+        while running := running_commands_naming(tmp_path):
+            assert time.monotonic() < deadline, running
+            time.sleep(0.1)
+    finally:
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):  # none, unless the test failed: leave nothing running
+            with contextlib.suppress(OSError):
+                if str(tmp_path) in cmdline.read_bytes().decode(errors="replace"):
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+    assert not (out / "no_seed0" / "results.json").exists()
 
 
 def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(tiny_dataset, cli_env, tmp_path):
