@@ -292,6 +292,22 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
         )
 
 
+def check_resumed_in_place(path: Path, output_dir: Path) -> None:
+    """Refuse a checkpoint of ``output_dir`` itself that later checkpoints there follow: the resumed run would save
+    a second history over theirs (other weights, where a flag a resume may change differs), and 'latest' would mix
+    the two. A checkpoint of another folder is a fork, which writes only into its own."""
+    if path.resolve().parent != checkpoint_dir(output_dir).resolve():
+        return
+    found = [checkpoint.resolve() for checkpoint in complete_checkpoints(output_dir)]
+    later = found[found.index(path.resolve()) + 1 :] if path.resolve() in found else []
+    if later:
+        raise InputError(
+            f"checkpoint '{path}' is not the newest of {output_dir} ({later[-1].name} is), and resuming it there would "
+            "save a second history over the later ones; resume it with another --output_dir (a fork of the run), or "
+            f"remove the later checkpoints first: rm -r {shlex.join(str(Path(path).parent / c.name) for c in later)}"
+        )
+
+
 def check_resumed_data(path: Path, state: TrainerState, signature: str, dataset_name: str) -> None:
     """Refuse data other than the checkpoint's: other images, labels, classes or split (a checkpoint without a
     signature was checked by the dataset's path)."""

@@ -28,6 +28,7 @@ from cifar_accel.checkpoint import (
     check_resume,
     check_resumed_data,
     check_resumed_epochs,
+    check_resumed_in_place,
     checkpoint_dir,
     complete_checkpoints,
     config_fingerprint,
@@ -161,6 +162,7 @@ def set_up_run(
     resume_path, resumed = None, None
     if config.resume_from_checkpoint:
         resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
+        check_resumed_in_place(resume_path, output_dir)
         check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
         check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, ema_decay_at
 from cifar_accel.inference import load_model
+from cifar_accel.outputs import complete_checkpoints
 
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args
 
@@ -67,6 +68,7 @@ def test_an_averaged_run_exports_the_average_and_resumes_bitwise(tiny_dataset, t
     assert proc.returncode == 0, proc.stderr
     assert_same_run(straight, resumed)
 
-    (resumed / "checkpoints" / "step_00000020" / EMA_FILE).unlink()
-    proc = train_here([*ema_args(tiny_dataset, resumed), "--resume", str(resumed / "checkpoints" / "step_00000020")])
+    newest = complete_checkpoints(resumed)[-1]
+    (newest / EMA_FILE).unlink()
+    proc = train_here([*ema_args(tiny_dataset, resumed), "--resume", str(newest)])
     assert proc.returncode == 2 and f"is incomplete: {EMA_FILE} is missing" in proc.stderr

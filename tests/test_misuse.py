@@ -431,14 +431,31 @@ def test_a_checkpoint_with_the_epoch_totals_of_all_processes_in_one_list_still_r
     assert json.loads((earlier_run / "results.json").read_text())["epochs_completed"] == 3
 
 
+def test_an_older_checkpoint_of_the_folder_itself_is_refused_as_a_second_history(earlier_run, tiny_dataset,
+                                                                                   train_here):  # fmt: skip
+    """Resumed in place, step 12 would save steps 16 and 18 again over the run's own (other weights where a flag a
+    resume may change differs, as --max_grad_norm here), and 'latest' would mix the two histories."""
+    before = snapshot(earlier_run)
+    older = earlier_run / "checkpoints" / "step_00000012"
+    proc = train_here([*run_args(tiny_dataset, earlier_run, "--max_grad_norm", "0.5"), "--resume", str(older)])
+    assert proc.returncode == 2
+    later = [str(earlier_run / "checkpoints" / name) for name in ("step_00000016", "step_00000018")]
+    assert one_error_line(proc) == (
+        f"error: checkpoint '{older}' is not the newest of {earlier_run} (step_00000018 is), and resuming it there "
+        "would save a second history over the later ones; resume it with another --output_dir (a fork of the run), "
+        f"or remove the later checkpoints first: rm -r {' '.join(later)}"
+    )
+    assert snapshot(earlier_run) == before
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
 def test_a_checkpoint_missing_a_file_is_refused_naming_it(earlier_run, tiny_dataset, train_here, name):
-    (earlier_run / "checkpoints" / "step_00000016" / name).unlink()
+    (earlier_run / "checkpoints" / "step_00000018" / name).unlink()
     before = snapshot(earlier_run)
     proc = train_here([*run_args(tiny_dataset, earlier_run), "--resume", str(earlier_run / "checkpoints" /
-                                                                              "step_00000016")])  # fmt: skip
+                                                                              "step_00000018")])  # fmt: skip
     assert proc.returncode == 2
-    assert f"step_00000016' is incomplete: {name} is missing" in one_error_line(proc)
+    assert f"step_00000018' is incomplete: {name} is missing" in one_error_line(proc)
     assert snapshot(earlier_run) == before
 
 
@@ -456,9 +473,9 @@ class RunsCode:
 def test_a_checkpoint_file_whose_unpickling_would_run_code_is_refused(earlier_run, tiny_dataset, train_here,
                                                                       tmp_path, name):  # fmt: skip
     marker = tmp_path / "code_ran"
-    torch.save(RunsCode(marker), earlier_run / "checkpoints" / "step_00000016" / name)
+    torch.save(RunsCode(marker), earlier_run / "checkpoints" / "step_00000018" / name)
     proc = train_here([*run_args(tiny_dataset, earlier_run), "--resume", str(earlier_run / "checkpoints" /
-                                                                              "step_00000016")])  # fmt: skip
+                                                                              "step_00000018")])  # fmt: skip
     assert proc.returncode == 2
     assert f"{name} cannot be read as plain tensors and numbers (UnpicklingError" in one_error_line(proc)
     assert not marker.exists()
@@ -476,14 +493,14 @@ def ema_run(tiny_dataset, tmp_path_factory) -> Path:
     [
         ("nan", "ema.safetensors holds non-finite values (NaN or infinity); it is damaged"),
         ("negative_count", "ema.safetensors counts -3 updates of the weight average, but the checkpoint is of "
-                           "optimizer step 16"),
+                           "optimizer step 18"),
         ("nan_weights", "model.safetensors holds non-finite values"),
     ],
 )  # fmt: skip
 def test_damaged_values_in_a_checkpoint_are_refused_by_resume_and_load_model(ema_run, tiny_dataset, train_here,
                                                                             tmp_path, damage, message):  # fmt: skip
     run = shutil.copytree(ema_run, tmp_path / "run")
-    checkpoint = run / "checkpoints" / "step_00000016"
+    checkpoint = run / "checkpoints" / "step_00000018"
     name = "model.safetensors" if damage == "nan_weights" else "ema.safetensors"
     tensors = load_file(checkpoint / name)
     if damage == "negative_count":
