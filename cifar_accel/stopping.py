@@ -40,13 +40,15 @@ def stop_with_parent() -> None:
     its parent ends, instead of training on unseen: that command itself, or the launcher between them, which the
     command's end ends."""
     starter = os.environ.pop(STOP_WITH_PARENT, None)
-    if starter is None:
+    if starter is None or LIBC is None:
         return
     term_when_parent_ends(os.getppid())
     try:
         os.kill(int(starter), 0)
     except ProcessLookupError:  # it ended before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
+    except PermissionError:  # its pid is another user's process now, which cannot be told from it: taken as running
+        pass
 
 
 def stop_signals() -> list[int]:
