@@ -298,13 +298,13 @@ def check_resumed_in_place(path: Path, output_dir: Path) -> None:
     the two. A checkpoint of another folder is a fork, which writes only into its own."""
     if path.resolve().parent != checkpoint_dir(output_dir).resolve():
         return
-    found = [checkpoint.resolve() for checkpoint in complete_checkpoints(output_dir)]
-    later = found[found.index(path.resolve()) + 1 :] if path.resolve() in found else []
+    names = [checkpoint.name for checkpoint in complete_checkpoints(output_dir)]  # oldest first
+    later = names[names.index(path.name) + 1 :] if path.name in names else []  # a folder of another name
     if later:
         raise InputError(
-            f"checkpoint '{path}' is not the newest of {output_dir} ({later[-1].name} is), and resuming it there would "
+            f"checkpoint '{path}' is not the newest of {output_dir} ({later[-1]} is), and resuming it there would "
             "save a second history over the later ones; resume it with another --output_dir (a fork of the run), or "
-            f"remove the later checkpoints first: rm -r {shlex.join(str(Path(path).parent / c.name) for c in later)}"
+            f"remove the later checkpoints first: rm -r {shlex.join(str(path.parent / name) for name in later)}"
         )
 
 
