@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -17,6 +18,7 @@ from cifar_accel.outputs import (
     EXPORT_FILES,
     LIBRARY_NAME,
     WEIGHTS_FILE,
+    file_sha256,
     is_model_card,
     save_atomic,
     write_atomic,
@@ -97,12 +99,15 @@ def exports_text(exports: list[dict]) -> str:
     rows = []
     for export in exports:
         check = export["check"]
-        checked = (
-            f"{check['same_predictions']}/{check['images']} predictions as load_model, probabilities within "
-            f"{check['max_probability_difference']:.1e} ({check['split']} split of `{check['dataset']}`)"
-            if check
-            else "not checked"
-        )
+        if export.get("stale"):
+            checked = "made from earlier weights, not these: export again"
+        elif check:
+            checked = (
+                f"{check['same_predictions']}/{check['images']} predictions as load_model, probabilities within "
+                f"{check['max_probability_difference']:.1e} ({check['split']} split of `{check['dataset']}`)"
+            )
+        else:
+            checked = "not checked"
         source = export["input"]
         rows.append(f"| `{export['file']}` | {export['format']} | {source['dtype']} {source['values']} | {checked} |")
     return (
@@ -226,6 +231,25 @@ def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path,
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
         return False
     exports = [read_export_description(output_dir / f"{name}.json") for name in EXPORT_FILES.values()]
+    exports = [mark_stale(export, output_dir) for export in exports if export]
     name = run_name(config, output_dir)
-    write_atomic(card, str(model_card(config, results, name, class_names, curves, [e for e in exports if e])))
+    write_atomic(card, str(model_card(config, results, name, class_names, curves, exports)))
     return True
+
+
+def mark_stale(export: dict, output_dir: Path) -> dict:
+    """``export`` with "stale" set where it was made from other weights than the run's final ones (a run extended
+    after its export), and a warning that says how to export again."""
+    weights = export.get("weights")
+    made_from = weights.get("sha256") if isinstance(weights, dict) else None  # None: an export that did not say
+    if made_from is None or made_from == file_sha256(output_dir / WEIGHTS_FILE):
+        return export
+    logger.warning(
+        f"{output_dir / export['file']} was exported from earlier weights than {output_dir / WEIGHTS_FILE}; export "
+        "again: "
+        + shlex.join(
+            ["python", "-m", "cifar_accel.export", "--model", str(output_dir), "--format", export["format"]]
+            + ["--input", export["input"]["dtype"]]
+        )
+    )
+    return {**export, "stale": True}

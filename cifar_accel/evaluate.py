@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import typing
 from collections.abc import Sequence
@@ -24,13 +25,23 @@ from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, non_empty, run_cli
 from cifar_accel.inference import TrainedModel, add_tta_flags, load_model, output_beside
 from cifar_accel.metrics import classification_report
-from cifar_accel.outputs import json_keys, refuse_foreign_files, save_atomic, writable_output_dir, write_atomic
+from cifar_accel.outputs import (
+    WEIGHTS_FILE,
+    file_sha256,
+    json_keys,
+    refuse_foreign_files,
+    save_atomic,
+    writable_output_dir,
+    write_atomic,
+)
 from cifar_accel.pictures import LABELLED_CLASSES, confusion_figure
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision, warn_if_not_in_effect
 from cifar_accel.processes import check_joined
 
 METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> ArgumentParser:
@@ -129,6 +140,7 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     report = classification_report(found.classes.cpu(), found.labels.cpu(), trained.class_names)
     report.update(
         model=str(trained.weights),
+        weights_sha256=file_sha256(trained.weights),
         dataset=args.dataset_name or run.dataset_name,
         split=args.split,
         mixed_precision=effective_precision(accelerator),
@@ -145,6 +157,23 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
         print(format_report(report, trained.class_names))
         print(f"wrote {output_dir / METRICS_FILE}")
         print(f"wrote {output_dir / CONFUSION_FILE}" if plotted else MISSING)
+
+
+def warn_of_earlier_evaluations(run_dir: Path) -> None:
+    """A warning for each report of the run's final weights (the eval_<split> folders beside them) that evaluated
+    other weights than the final ones now there: the run was trained further since."""
+    weights = file_sha256(run_dir / WEIGHTS_FILE)
+    for path in sorted(run_dir.glob(f"eval_*/{METRICS_FILE}")):
+        try:
+            report = json.loads(path.read_text())
+            split, made_from = report["split"], report["weights_sha256"]
+        except (OSError, ValueError, KeyError, TypeError):  # not evaluate's report, or one that did not record it
+            continue
+        if path.parent.name == f"eval_{split}" and made_from != weights:
+            logger.warning(
+                f"{path.parent} evaluated earlier weights than {run_dir / WEIGHTS_FILE}; evaluate again: "
+                + shlex.join(["python", "-m", "cifar_accel.evaluate", "--model", str(run_dir), "--split", split])
+            )
 
 
 def cli() -> None:

@@ -12,7 +12,6 @@ test split of the run's dataset: its predictions must be those of ``load_model``
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import io
 import json
@@ -37,6 +36,7 @@ from cifar_accel.outputs import (
     RESULTS_FILE,
     WEIGHTS_FILE,
     check_writable,
+    file_sha256,
     json_keys,
     refuse_foreign_files,
     save_atomic,
@@ -145,10 +145,6 @@ def check_export(
     return {"images": len(images), "same_predictions": agree, "max_probability_difference": largest}
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.export", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
@@ -245,7 +241,7 @@ def main(argv: Sequence[str]) -> None:
         },
         "outputs": {OUTPUT_NAMES[0]: ["batch", len(trained.class_names)], OUTPUT_NAMES[1]: "softmax of the logits"},
         "class_names": trained.class_names,
-        "weights": {"file": str(trained.weights), "sha256": sha256(trained.weights)},
+        "weights": {"file": str(trained.weights), "sha256": file_sha256(trained.weights)},
         "torch": torch.__version__,
         "check": None,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -57,6 +58,10 @@ RUN_FILES = (
 def is_model_card(path: Path) -> bool:
     """Whether ``path`` is a model card this package wrote (its metadata names the library)."""
     return _starts_with(path, CARD_MARK, 4096)
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def is_run_config(path: Path) -> bool:

@@ -41,6 +41,7 @@ from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_
 from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
 from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
+from cifar_accel.evaluate import warn_of_earlier_evaluations
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.models import build_model
@@ -360,6 +361,7 @@ def finish_run(run: Run) -> RunResults:
         if accelerator.is_main_process:
             write_atomic(output_dir / RESULTS_FILE, json.dumps(results.to_dict(), indent=2))
             card_written = write_model_card(run.config, results, output_dir, run.data.class_names)
+            warn_of_earlier_evaluations(output_dir)
     except RunFault as err:  # the checkpoints hold the finished run: its resume tests and exports it again
         raise RunFault(f"{err}, then resume with --resume_from_checkpoint latest to test and export again") from None
     log_final_pictures(run, test_stats, results)

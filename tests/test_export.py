@@ -21,7 +21,7 @@ from cifar_accel.export import check_export
 from cifar_accel.export import main as export_main
 from cifar_accel.inference import load_model
 
-from conftest import run_cli, run_on_a_small_disk
+from conftest import run_cli, run_on_a_small_disk, tiny_args
 
 
 def export(model: Path, env: dict, *extra: str):
@@ -122,6 +122,39 @@ def test_a_file_of_the_users_at_the_output_is_kept_and_an_earlier_export_replace
     output.write_bytes(b"an earlier export")
     assert run_main(export_main, argv) == 0
     assert output.read_bytes() == first
+
+
+def test_outputs_of_a_run_trained_further_are_named_as_made_from_earlier_weights(cifar100_dataset, cli_env, tmp_path):
+    """Extending a run writes new final weights (without validation, the last epoch's). Its earlier export and
+    evaluation stay (files of the user's now), but the run says which were made from the earlier weights and how to
+    make them again, and the model card no longer vouches for the export until it is exported again. A
+    checkpoint's evaluation is of its own weights."""
+    run = tmp_path / "run"
+    flags = tiny_args(cifar100_dataset, run, "--label_column_name", "fine_label", "--val_ratio", "0")
+    assert run_cli(flags, cli_env).returncode == 0
+    assert export(run, cli_env, "--format", "pt2", "--skip_check").returncode == 0
+    (checkpoint,) = complete_checkpoints(run)
+    for model in (run, checkpoint):
+        assert run_cli(["--model", str(model)], cli_env, module="cifar_accel.evaluate").returncode == 0
+    assert {p.name for p in run.glob("eval_*")} == {"eval_test", f"eval_test_{checkpoint.name}"}
+    row = "| `model.pt2` | pt2 | uint8 0..255 | not checked |"
+    assert row in (run / "README.md").read_text()
+    exported = (run / "model.pt2").read_bytes()
+    proc = run_cli([*flags, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    earlier = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if "WARNING" in line]
+    assert earlier == [
+        f"{run / 'model.pt2'} was exported from earlier weights than {run / 'model.safetensors'}; export again: "
+        f"python -m cifar_accel.export --model {run} --format pt2 --input uint8",
+        f"{run / 'eval_test'} evaluated earlier weights than {run / 'model.safetensors'}; evaluate again: "
+        f"python -m cifar_accel.evaluate --model {run} --split test",
+    ]
+    card = (run / "README.md").read_text()
+    assert row not in card
+    assert "| `model.pt2` | pt2 | uint8 0..255 | made from earlier weights, not these: export again |" in card
+    assert (run / "model.pt2").read_bytes() == exported
+    assert export(run, cli_env, "--format", "pt2", "--skip_check").returncode == 0
+    assert row in (run / "README.md").read_text()
 
 
 def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, monkeypatch):
