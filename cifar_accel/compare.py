@@ -51,10 +51,10 @@ from cifar_accel.errors import (
     InputError,
     RunFault,
     Stopped,
-    non_empty,
     one_line,
     positive_int,
     run_cli,
+    user_path,
 )
 from cifar_accel.outputs import (
     CONFIG_FILE,
@@ -101,7 +101,7 @@ def build_parser() -> ArgumentParser:
         help="Runs trained at a time, each on cores / jobs threads (default: 1). Small models train faster on one "
         "thread per core: on 2 cores, 2 single-thread runs finish two seeds sooner than 2 two-thread runs in turn.",
     )
-    parser.add_argument("--output_dir", type=non_empty, default="outputs/compare", help="Runs and the report go here.")
+    parser.add_argument("--output_dir", type=user_path, default="outputs/compare", help="Runs and the report go here.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 

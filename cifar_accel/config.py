@@ -577,12 +577,13 @@ def config_path(spec: str) -> Path:
         )
     if spec in preset_names():
         return PRESETS_DIR / f"{spec}.yaml"
-    if not Path(spec).exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
+    path = Path(spec).expanduser()
+    if not path.exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
         raise InputError(
             f"--config '{quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "
             "preset's name or the path of a YAML file"
         )
-    return Path(spec)
+    return path
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -677,7 +678,13 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
     config = TrainConfig(**values)
-    config = dataclasses.replace(config, dataset_name=dataset_location(config.dataset_name))
+    resume = config.resume_from_checkpoint
+    config = dataclasses.replace(  # a leading ~ in a path from a config file, or in --flag=~/..., expanded
+        config,
+        dataset_name=dataset_location(config.dataset_name),
+        output_dir=os.path.expanduser(config.output_dir),
+        resume_from_checkpoint=os.path.expanduser(resume) if resume else resume,
+    )
     source_file = getattr(args, "config", None)
     label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
     origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}
@@ -733,7 +740,8 @@ def flag_reference() -> str:
         "",
         "Generated from the fields of `TrainConfig` in `cifar_accel/config.py` by `python "
         "scripts/write_flag_reference.py`; a test fails when this page is out of date. Every flag is also a key "
-        "of a `--config` YAML file. Values come from the defaults, then `--config`, then flags. *Resume*: "
+        "of a `--config` YAML file. Values come from the defaults, then `--config`, then flags. A path that "
+        "starts with `~` starts in the home folder, in a config file and in `--flag=~/...` too. *Resume*: "
         "whether `--resume_from_checkpoint` must keep the checkpoint's value (`match`) or may change it.",
         "",
         "| flag (aliases) | default | resume | what it does |",

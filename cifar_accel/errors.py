@@ -50,6 +50,12 @@ def non_empty(value: str) -> str:
     return value
 
 
+def user_path(value: str) -> str:
+    """An argparse type for paths (and dataset names, which may be paths): ``non_empty``, with a leading ~ expanded
+    as the shell would have, had it not been in ``--flag=~/...``, in quotes or in a config file."""
+    return os.path.expanduser(non_empty(value))
+
+
 def positive_int(value: str) -> int:
     """An argparse type for counts that must be at least 1."""
     try:

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, non_empty, run_cli
+from cifar_accel.errors import ArgumentParser, non_empty, run_cli, user_path
 from cifar_accel.inference import TrainedModel, add_tta_flags, load_model, output_beside
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import (
@@ -47,10 +47,10 @@ logger = logging.getLogger(__name__)
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
-        "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
+        "--model", type=user_path, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
     )
     parser.add_argument(
-        "--dataset_name", type=non_empty, help="Hub id or local path; default: the dataset the run trained on."
+        "--dataset_name", type=user_path, help="Hub id or local path; default: the dataset the run trained on."
     )
     parser.add_argument("--split", type=non_empty, default="test", help="Dataset split to evaluate (default: test).")
     parser.add_argument(
@@ -66,7 +66,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument(
         "--output_dir",
-        type=non_empty,
+        type=user_path,
         help="Where metrics.json and the PNG go; default: <model folder>/eval_<split> (for a checkpoint: "
         "<run>/eval_<split>_<checkpoint>).",
     )

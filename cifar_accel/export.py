@@ -29,7 +29,7 @@ from torch import nn
 
 from cifar_accel.card import write_model_card
 from cifar_accel.data import load_images
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli, user_path
 from cifar_accel.inference import TrainedModel, load_model, output_beside
 from cifar_accel.outputs import (
     EXPORT_FILES,
@@ -148,7 +148,7 @@ def check_export(
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.export", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
-        "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
+        "--model", type=user_path, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
     )
     parser.add_argument("--format", choices=typing.get_args(ExportFormat), default="onnx", help="Default: onnx.")
     parser.add_argument(
@@ -159,12 +159,12 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--output",
-        type=non_empty,
+        type=user_path,
         help="Where to write it; default: model.onnx or model.pt2 beside the weights (a checkpoint's: "
         "model_<checkpoint>.onnx in its run folder).",
     )
     parser.add_argument(
-        "--check_dataset", type=non_empty, help="The dataset whose images check the export (default: the run's own)."
+        "--check_dataset", type=user_path, help="The dataset whose images check the export (default: the run's own)."
     )
     parser.add_argument("--check_split", type=non_empty, default="test", help="Its split (default: test).")
     parser.add_argument(

@@ -185,7 +185,7 @@ def load_model(path: str | Path) -> TrainedModel:
     """The trained model of a run folder, a checkpoint folder or a .safetensors file inside either: the run's
     architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names. A
     checkpoint gives the weights its validation measured: their average, in a run with --ema_decay."""
-    path = Path(path)
+    path = Path(path).expanduser()
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
         aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""

@@ -19,7 +19,7 @@ from PIL import Image
 
 from cifar_accel.config import Precision, check_field
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import ArgumentParser, InputError, non_empty, one_line, run_cli
+from cifar_accel.errors import ArgumentParser, InputError, one_line, run_cli, user_path
 from cifar_accel.inference import add_tta_flags, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
@@ -32,11 +32,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "images",
         nargs="+",
-        type=non_empty,
+        type=user_path,
         help="Image files, or folders whose images (not their subfolders') are all classified.",
     )
     parser.add_argument(
-        "--model", type=non_empty, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
+        "--model", type=user_path, required=True, help="A run's output folder, a checkpoint folder or a .safetensors."
     )
     parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
     parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 from huggingface_hub import ModelCard
+from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -183,3 +186,37 @@ def test_hub_dataset_offline_points_to_a_local_copy(cli_env, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: cannot load dataset 'uoft-cs/cifar10'") and "--dataset_name" in proc.stderr
+
+
+def test_a_leading_tilde_is_the_home_folder_in_every_path_flag_and_config_value(tiny_dataset, cli_env, tmp_path):
+    """The shell leaves ~ as it is in --flag=~/x (and in quotes), and a config file is not read by a shell. Every
+    path of every command expands it as the shell would, rather than making a folder called ~ in the working
+    folder or refusing a path that exists."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {**cli_env, "HOME": str(home)}
+
+    def command(module: str, *args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args], env=env, cwd=work, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    (home / "run.yaml").write_text(
+        f"output_dir: ~/a\ndataset_name: {tiny_dataset}\nnum_train_epochs: 1\nper_device_train_batch_size: 32\n"
+    )
+    command("cifar_accel.train", "--config=~/run.yaml")
+    (checkpoint,) = sorted(p.name for p in (home / "a" / "checkpoints").iterdir())
+    resume = f"--resume_from_checkpoint=~/a/checkpoints/{checkpoint}"
+    command("cifar_accel.train", "--config=~/run.yaml", "--output_dir=~/b", resume, "--num_train_epochs", "2")
+    assert read_results(home / "b")["epochs_completed"] == 2
+    command("cifar_accel.evaluate", "--model=~/b", "--output_dir=~/eval", f"--dataset_name={tiny_dataset}")
+    command("cifar_accel.export", "--model=~/b", "--format", "pt2", "--skip_check", "--output=~/b.pt2")
+    Image.new("RGB", (32, 32)).save(home / "image.png")
+    assert command("cifar_accel.predict", "--model=~/b", "~/image.png").stdout.startswith(f"{home / 'image.png'}: ")
+    command("cifar_accel.compare", "--precisions", "no", "--output_dir=~/compare", "--config=~/run.yaml")
+    assert (home / "eval" / "metrics.json").is_file() and (home / "b.pt2").is_file()
+    assert (home / "compare" / "report.md").is_file()
+    assert list(work.iterdir()) == []
