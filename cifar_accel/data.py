@@ -418,7 +418,24 @@ def numbered(count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def check_labels(split_name: str, split: Split, num_classes: int) -> None:
+EVALUATE_UNLABELLED_FIX = (
+    "accuracy needs them: pick a labelled --split, or classify its images with cifar_accel.predict"
+)
+UNLABELLED_FIXES = {  # what to do about a split of a training run's dataset with no labels at all
+    "train": "training needs them: give a dataset whose train split is labelled",
+    "validation": "train without validation with --val_ratio 0, or give a dataset whose validation split is labelled",
+    "test": "a run tests its final weights on them: give a dataset whose test split is labelled",
+}
+
+
+def check_labels(split_name: str, split: Split, num_classes: int, unlabelled_fix: str | None = None) -> None:
+    """Every label a class number below ``num_classes``; a split with no labels at all (-1 in every row, as
+    `datasets` marks a row without one) is refused with ``unlabelled_fix``, or the training run's fix for it."""
+    if len(split.labels) and bool((split.labels == -1).all()):
+        fix = unlabelled_fix or UNLABELLED_FIXES[split_name]
+        raise InputError(
+            f"the '{split_name}' split has no labels (-1 in every row, datasets' mark for a missing label); {fix}"
+        )
     bad = ((split.labels < 0) | (split.labels >= num_classes)).nonzero()
     if len(bad):
         index = int(bad[0])
@@ -473,7 +490,7 @@ def load_split(
         classes = class_names_of(raw[split], label_column)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
-    check_labels(split, tensors, len(classes))
+    check_labels(split, tensors, len(classes), EVALUATE_UNLABELLED_FIX)
     return tensors, classes
 
 
@@ -493,7 +510,7 @@ def load_images(
 def labels_by_name(split: Split, names: list[str], classes: list[str], split_name: str) -> Split:
     """``split``, whose labels index ``names``, with each label turned into the index of its name in ``classes``; a
     class of the split that ``classes`` does not have is refused in one line."""
-    check_labels(split_name, split, len(names))
+    check_labels(split_name, split, len(names), EVALUATE_UNLABELLED_FIX)
     unknown = [names[i] for i in split.labels.unique().tolist() if names[i] not in classes]
     if unknown:
         listed = ", ".join(repr(name) for name in unknown[:10]) + (", ..." if len(unknown) > 10 else "")

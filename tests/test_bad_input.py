@@ -37,6 +37,21 @@ def labels_out_of_range(root: Path) -> Path:
     return write_split_files(root, train, test)
 
 
+def unlabelled(count: int, seed: int) -> datasets.Dataset:
+    """Images whose labels `datasets` marks as missing, as on the Hub where a test split's are kept back."""
+    return good_split(count, seed).map(lambda row: {"label": -1})
+
+
+def unlabelled_test_split(root: Path) -> Path:
+    return write_split_files(root, good_split(), unlabelled(20, seed=1))
+
+
+def unlabelled_validation_split(root: Path) -> Path:
+    write_split_files(root, good_split(), good_split(20, seed=2))
+    unlabelled(20, seed=1).to_parquet(root / "data" / "validation-00000-of-00001.parquet")
+    return root
+
+
 def no_label_column(root: Path) -> Path:
     features = datasets.Features({"img": datasets.Image(), "category": datasets.Value("int64")})
     images, labels = make_images(40, 0)
@@ -111,6 +126,10 @@ CASES = [
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
     ("empty-split", ["--dataset_name", "{made}"], 2, ["has an empty split", "\"test\""]),
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
+    ("unlabelled-test-split", ["--dataset_name", "{made}"], 2,
+     ["the 'test' split has no labels (-1 in every row", "give a dataset whose test split is labelled"]),
+    ("unlabelled-validation-split", ["--dataset_name", "{made}"], 2,
+     ["the 'validation' split has no labels (-1 in every row", "train without validation with --val_ratio 0"]),
     ("one-class", ["--dataset_name", "{made}"], 2, ["has one class ('0', label column 'label')", "two or more"]),
     ("resume-missing", ["--dataset_name", "{data}", "--resume_from_checkpoint", "/nonexistent/ckpt"], 2,
      ["does not exist"]),
@@ -141,6 +160,8 @@ MAKERS = {
     "resume-checkpoints-folder": run_folder,
     "empty-split": empty_test_split,
     "label-out-of-range": labels_out_of_range,
+    "unlabelled-test-split": unlabelled_test_split,
+    "unlabelled-validation-split": unlabelled_validation_split,
 }
 
 
@@ -299,3 +320,16 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
                      "device); free space on that disk, or set HF_DATASETS_CACHE to a folder on another, then run "
                      "again")  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+def test_an_unlabelled_validation_split_is_left_out_with_val_ratio_0_and_evaluate_points_to_predict(cli_env, tmp_path):
+    """The fix that the refusal names works: without validation the run trains; and evaluate, which has nothing to
+    count on such a split, names the split to pick or the command that classifies its images."""
+    dataset = unlabelled_validation_split(tmp_path / "data")
+    run = tmp_path / "run"
+    assert run_cli(tiny_args(dataset, run, "--val_ratio", "0"), cli_env).returncode == 0
+    proc = run_cli(["--model", str(run), "--split", "validation"], cli_env, module="cifar_accel.evaluate")
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: the 'validation' split has no labels (-1 in every row, datasets' mark for a missing label); accuracy "
+        "needs them: pick a labelled --split, or classify its images with cifar_accel.predict\n"
+    )
