@@ -41,6 +41,7 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
+from cifar_accel.errors import user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
@@ -162,7 +163,7 @@ def startup_seconds(pipeline: str, cache_dir: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset_name", default="../shared/data/cifar10-jpeg")
+    parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--model", choices=["simple_cnn", "fast_net", "resnet9", "resnet18"],
                         help="Measure the preset made for this model (see above).")  # fmt: skip
     parser.add_argument("--config", help="A preset's name or a config file (default: the one for --model).")

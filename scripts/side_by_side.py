@@ -41,6 +41,7 @@ from pathlib import Path
 from cifar_accel.compare import config_differences
 from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import load_data
+from cifar_accel.errors import user_path
 from cifar_accel.state import read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
@@ -202,11 +203,11 @@ def main() -> None:
     argv = sys.argv[1:]
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--anchor", required=True, help="Path of airbench94_muon_cpu.py.")
-    parser.add_argument("--dataset_name", default="../shared/data/cifar10-jpeg")
+    parser.add_argument("--anchor", type=user_path, required=True, help="Path of airbench94_muon_cpu.py.")
+    parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--output_dir", default="outputs/side_by_side")
+    parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     given = given_flags(train_args)
     for name, own in SET_FOR_BOTH.items():
