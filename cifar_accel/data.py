@@ -439,8 +439,14 @@ def check_labels(split_name: str, split: Split, num_classes: int, unlabelled_fix
     bad = ((split.labels < 0) | (split.labels >= num_classes)).nonzero()
     if len(bad):
         index = int(bad[0])
+        label = int(split.labels[index])
+        if label == -1:
+            raise InputError(
+                f"{split_name} label at index {index} is missing (-1, datasets' mark for a missing label); label "
+                "that row, or drop the rows without labels"
+            )
         raise InputError(
-            f"{split_name} label {int(split.labels[index])} at index {index} is outside 0..{num_classes - 1}; "
+            f"{split_name} label {label} at index {index} is outside 0..{num_classes - 1}; "
             "fix the labels or --label_column_name"
         )
 

@@ -42,6 +42,11 @@ def unlabelled(count: int, seed: int) -> datasets.Dataset:
     return good_split(count, seed).map(lambda row: {"label": -1})
 
 
+def a_missing_label(root: Path) -> Path:
+    labelled = good_split(20, seed=1)
+    return write_split_files(root, good_split(), datasets.concatenate_datasets([labelled, unlabelled(1, seed=3)]))
+
+
 def unlabelled_test_split(root: Path) -> Path:
     return write_split_files(root, good_split(), unlabelled(20, seed=1))
 
@@ -126,6 +131,8 @@ CASES = [
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
     ("empty-split", ["--dataset_name", "{made}"], 2, ["has an empty split", "\"test\""]),
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
+    ("a-missing-label", ["--dataset_name", "{made}"], 2,
+     ["test label at index 20 is missing (-1, datasets' mark for a missing label)", "drop the rows without labels"]),
     ("unlabelled-test-split", ["--dataset_name", "{made}"], 2,
      ["the 'test' split has no labels (-1 in every row", "give a dataset whose test split is labelled"]),
     ("unlabelled-validation-split", ["--dataset_name", "{made}"], 2,
@@ -160,6 +167,7 @@ MAKERS = {
     "resume-checkpoints-folder": run_folder,
     "empty-split": empty_test_split,
     "label-out-of-range": labels_out_of_range,
+    "a-missing-label": a_missing_label,
     "unlabelled-test-split": unlabelled_test_split,
     "unlabelled-validation-split": unlabelled_validation_split,
 }
