@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -242,6 +243,15 @@ def fresh_log_levels():
     yield
     for name in ("cifar_accel", *(n for n in logging.root.manager.loggerDict if n.startswith("cifar_accel."))):
         logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def hangup_as_a_terminal_sends_it():
+    """SIGHUP with its default action for the test, as in a terminal: a test run started under nohup inherits it
+    ignored, and the package rightly leaves an ignored SIGHUP ignored (so would the processes it starts)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

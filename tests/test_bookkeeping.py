@@ -115,7 +115,9 @@ class CtrlCUnderTheLauncherAtStep5(SignalAtStep5):
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])  # a scheduler's stop, a closed terminal
-def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(tmp_path, monkeypatch, number):
+def test_a_stop_request_saves_a_checkpoint_and_stops_with_the_signals_exit_code(
+    tmp_path, monkeypatch, number, hangup_as_a_terminal_sends_it
+):
     run = small_run(tmp_path)
     monkeypatch.setattr(SignalAtStep5, "signals", (number,))
     books = SignalAtStep5(run, StopRequest())

@@ -214,7 +214,7 @@ def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(
     assert not (out / "bf16_seed42").exists() and not (out / "report.json").exists()
 
 
-def test_a_closed_terminal_reaches_the_runs_too(tmp_path):
+def test_a_closed_terminal_reaches_the_runs_too(tmp_path, hangup_as_a_terminal_sends_it):
     """The runs are in sessions of their own, so a hangup reaches the comparison only: it passes SIGHUP on (each
     run stops at a checkpoint as for SIGTERM) and starts no other run."""
     with TrainingProcesses() as processes, ThreadPoolExecutor(1) as pool:
