@@ -231,18 +231,21 @@ def write_model_card(config: TrainConfig, results: RunResults, output_dir: Path,
         logger.warning(f"{card} is not a model card of this package, so it is left as it is and no card is written")
         return False
     exports = [read_export_description(output_dir / f"{name}.json") for name in EXPORT_FILES.values()]
-    exports = [mark_stale(export, output_dir) for export in exports if export]
+    exports = [export for export in exports if export]
+    if exports:
+        weights = file_sha256(output_dir / WEIGHTS_FILE)
+        exports = [mark_stale(export, output_dir, weights) for export in exports]
     name = run_name(config, output_dir)
     write_atomic(card, str(model_card(config, results, name, class_names, curves, exports)))
     return True
 
 
-def mark_stale(export: dict, output_dir: Path) -> dict:
-    """``export`` with "stale" set where it was made from other weights than the run's final ones (a run extended
-    after its export), and a warning that says how to export again."""
-    weights = export.get("weights")
-    made_from = weights.get("sha256") if isinstance(weights, dict) else None  # None: an export that did not say
-    if made_from is None or made_from == file_sha256(output_dir / WEIGHTS_FILE):
+def mark_stale(export: dict, output_dir: Path, weights_sha256: str) -> dict:
+    """``export`` with "stale" set where it was made from other weights than the run's final ones (SHA-256
+    ``weights_sha256``; a run extended after its export), and a warning that says how to export again."""
+    source = export.get("weights")
+    made_from = source.get("sha256") if isinstance(source, dict) else None  # None: an export that did not say
+    if made_from is None or made_from == weights_sha256:
         return export
     logger.warning(
         f"{output_dir / export['file']} was exported from earlier weights than {output_dir / WEIGHTS_FILE}; export "

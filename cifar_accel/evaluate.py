@@ -162,8 +162,9 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
 def warn_of_earlier_evaluations(run_dir: Path) -> None:
     """A warning for each report of the run's final weights (the eval_<split> folders beside them) that evaluated
     other weights than the final ones now there: the run was trained further since."""
-    weights = file_sha256(run_dir / WEIGHTS_FILE)
-    for path in sorted(run_dir.glob(f"eval_*/{METRICS_FILE}")):
+    reports = sorted(run_dir.glob(f"eval_*/{METRICS_FILE}"))
+    weights = file_sha256(run_dir / WEIGHTS_FILE) if reports else None
+    for path in reports:
         try:
             report = json.loads(path.read_text())
             split, made_from = report["split"], report["weights_sha256"]
