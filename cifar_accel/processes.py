@@ -6,8 +6,13 @@ import os
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
 from cifar_accel.errors import InputError
+
+logger = get_logger(__name__)
+# Where mpirun (Intel MPI, Open MPI, MVAPICH) puts the number of processes it started: Accelerate's CPU ranks.
+MPI_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def launched_processes() -> int:
@@ -19,6 +24,11 @@ def check_joined(accelerator: Accelerator, command: str) -> None:
     """Refuse processes that a launcher started but Accelerate did not join into one group (a multi-GPU launch on a
     machine without a GPU, or torchrun without --cpu there): each would do all the work and write the same files."""
     processes = launched_processes()
+    if processes == 1 and several_asked_of_one_cpu_launch():
+        logger.warning(
+            f"accelerate launch starts several CPU processes only through mpirun, so this run is 1 process; for N, "
+            f"launch with 'torchrun --nproc_per_node N -m cifar_accel.{command} --cpu'"
+        )
     if processes == 1 or accelerator.num_processes == processes:
         return
     fix = f"launch with 'torchrun --nproc_per_node N -m cifar_accel.{command} --cpu'"
@@ -27,6 +37,15 @@ def check_joined(accelerator: Accelerator, command: str) -> None:
     else:
         fix = f"this machine has no GPU for a multi-GPU launch to join them with; {fix}"
     raise InputError(f"{processes} processes were started but they are not connected into one process group; {fix}")
+
+
+def several_asked_of_one_cpu_launch() -> bool:
+    """Whether ``accelerate launch`` was asked for several processes on CPUs (``--cpu --num_processes 2``, or a
+    MULTI_CPU config) without mpirun: it then starts one process, whose environment has the rendezvous address it
+    sets for several but no launcher's process count."""
+    launched_by_accelerate_on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+    counted = any(name in os.environ for name in ("WORLD_SIZE", *MPI_SIZES))
+    return launched_by_accelerate_on_cpu and "MASTER_ADDR" in os.environ and not counted
 
 
 def require_one_process(command: str) -> None:

@@ -53,15 +53,27 @@ def launcher(profile: str, *options: str) -> list[str]:
     return [accelerate, "launch", *options, "--config_file", str(REPO / "accelerate_configs" / f"{profile}.yaml")]
 
 
-@pytest.mark.parametrize("profile", ["cpu", "cpu_bf16"])
-def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profile):
+ONE_OF_SEVERAL = "accelerate launch starts several CPU processes only through mpirun, so this run is 1 process"
+
+
+@pytest.mark.parametrize(
+    "profile, options", [("cpu", ()), ("cpu_bf16", ()), ("cpu", ("--num_processes", "2"))], ids=["cpu", "bf16", "two"]
+)
+def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profile, options):
+    """With --num_processes 2 and no mpirun, accelerate launch starts one process: the run says so, and trains."""
     out = tmp_path / "run"
-    proc = run_cli(tiny_args(tiny_dataset, out, "--max_train_samples", "150"), cli_env, launcher=launcher(profile))
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "150")
+    proc = run_cli(args, cli_env, launcher=launcher(profile, *options))
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
     assert results["mixed_precision"] == EXPECTED[profile][0]
     assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
     assert results["epochs_completed"] == 1
+    assert "x 1 processes x" in proc.stdout
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if ONE_OF_SEVERAL in line]
+    assert len(warned) == (1 if options else 0)
+    if options:
+        assert warned[0].endswith("for N, launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu'")
 
 
 @pytest.mark.parametrize("quiet", [True, False])
