@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.tensorboard import SummaryWriter
-from torchvision.utils import make_grid
 
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.transforms import Normalization
@@ -50,6 +49,8 @@ def augmentation_grid(
 ) -> torch.Tensor:
     """One (3, H, W) image: the originals (uint8) in the top rows, the augmented inputs (normalised) below, each
     pixel drawn ``zoom`` x ``zoom`` so that 32x32 images can be seen."""
+    from torchvision.utils import make_grid  # here, not at the top: torchvision takes a second to import
+
     both = torch.cat((originals.float().cpu() / 255, to_unit_range(augmented, normalization).cpu()))
     return make_grid(F.interpolate(both, scale_factor=zoom, mode="nearest"), nrow=8, padding=4, pad_value=1.0)
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 
 from cifar_accel.config import TrainConfig
 
@@ -226,12 +225,16 @@ class TrainingTransform:
             brightness_shift=config.brightness_shift,
             contrast_scale=config.contrast_scale,
         )
-        mixes = [
-            mix(alpha=alpha, num_classes=num_classes)
-            for mix, alpha in ((v2.MixUp, config.mixup_alpha), (v2.CutMix, config.cutmix_alpha))
-            if alpha > 0 and config.augment
-        ]
-        self.mix = v2.RandomChoice(mixes) if len(mixes) > 1 else (mixes[0] if mixes else None)
+        self.mix = None
+        if config.augment and (config.mixup_alpha or config.cutmix_alpha):
+            from torchvision.transforms import v2  # here, not at the top: it takes a second to import
+
+            mixes = [
+                mix(alpha=alpha, num_classes=num_classes)
+                for mix, alpha in ((v2.MixUp, config.mixup_alpha), (v2.CutMix, config.cutmix_alpha))
+                if alpha > 0
+            ]
+            self.mix = v2.RandomChoice(mixes) if len(mixes) > 1 else mixes[0]
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = self.augment(images)

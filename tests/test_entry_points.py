@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +234,13 @@ def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, t
         with pytest.raises(InputError, match="is not the results.json of a finished run"):
             read_run_results(tmp_path / "results.json")
         assert compare.finished_results(tmp_path) is None  # compare trains such a run again
+
+
+def test_the_commands_start_without_torchvision(cli_env):
+    """torchvision loads torch._dynamo, a second of every start: the commands import it only where a run uses it
+    (docs/design.md), so evaluate, predict and export, and train until it builds a ResNet-18, start without it."""
+    commands = ", ".join(f"cifar_accel.{name}" for name in ("train", "evaluate", "predict", "export", "compare"))
+    check = f"import sys, {commands}; print(sorted(m for m in sys.modules if m.startswith('torchvision')))"
+    proc = subprocess.run([sys.executable, "-c", check], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

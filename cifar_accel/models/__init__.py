@@ -12,17 +12,19 @@ A model may define two optional hooks, found by name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from cifar_accel.models.fast_net import FastNet
-from cifar_accel.models.resnet import ResNet9, ResNet18
+from cifar_accel.models.resnet import ResNet9, resnet18
 from cifar_accel.models.simple_cnn import SimpleCNN
 
-MODELS: dict[str, type[nn.Module]] = {
+MODELS: dict[str, Callable[..., nn.Module]] = {
     "simple_cnn": SimpleCNN,
     "fast_net": FastNet,
     "resnet9": ResNet9,
-    "resnet18": ResNet18,
+    "resnet18": resnet18,
 }
 
 
@@ -30,4 +32,4 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     return MODELS[name](num_classes=num_classes)
 
 
-__all__ = ["MODELS", "FastNet", "ResNet9", "ResNet18", "SimpleCNN", "build_model"]
+__all__ = ["MODELS", "FastNet", "ResNet9", "SimpleCNN", "build_model", "resnet18"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 
@@ -48,11 +47,12 @@ class ResNet9(nn.Module):
         return self.classifier(self.features(images).flatten(1)) * 0.125
 
 
-class ResNet18(torchvision.models.ResNet):
+def resnet18(num_classes: int = 10) -> nn.Module:
     """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first convolution and no max-pool, so the
     32x32 image is not shrunk fourfold before the first block."""
+    import torchvision  # here, not at the top: importing it takes a second (it loads torch._dynamo)
 
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        self.maxpool = nn.Identity()
+    model = torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
