@@ -418,7 +418,7 @@ def plot(summaries: list[dict[str, Any]], output_dir: Path) -> list[str]:
 
 
 def seed_table(summary: dict[str, Any]) -> list[str]:
-    """One precision's runs, a row per seed, then the mean, std, min and max over them."""
+    """One precision's runs, a row per seed, then, over two or more, their mean, std, min and max."""
     tta = summary["per_seed"][0]["tta"]
     lines = [
         f"`{summary['precision']}`, each seed (test accuracy in %, with TTA `{tta}` and without):",
@@ -431,6 +431,8 @@ def seed_table(summary: dict[str, Any]) -> list[str]:
             f"| {run['seed']} | {100 * run['test_accuracy']:.2f} | {100 * run['test_accuracy_no_tta']:.2f} "
             f"| {run['train_seconds']:.0f} |"
         )
+    if len(summary["per_seed"]) == 1:  # one seed's statistics would be its own figures and a std of 0
+        return lines
     stats = [summary[key] for key in ("test_accuracy", "test_accuracy_no_tta", "train_seconds")]
     for name in ("mean", "std", "min", "max"):
         lines.append(f"| {name} | {100 * stats[0][name]:.2f} | {100 * stats[1][name]:.2f} | {stats[2][name]:.0f} |")

@@ -109,6 +109,18 @@ def test_each_seed_has_a_row_and_the_seeds_their_statistics(compared):
     assert "Skipped `fp16`" in markdown and "![curves.png](curves.png)" in markdown
 
 
+def test_a_report_of_one_seed_has_its_row_and_no_statistics_rows(compared):
+    """The mean, min and max of one seed are its own figures and its std 0: the seed table stops at its row."""
+    out, _ = compared
+    report = json.loads((out / "report.json").read_text())
+    for summary in report["precisions"]:
+        summary["per_seed"] = summary["per_seed"][:1]
+    text = markdown(report)
+    table = text[text.index("`no`, each seed") :].split("\n\n")[1].splitlines()
+    assert len(table) == 3 and table[2].startswith(f"| {report['precisions'][0]['per_seed'][0]['seed']} | ")
+    assert "| std |" not in text
+
+
 def test_without_a_no_run_the_ratios_against_no_are_dashes(compared):
     """A report of bf16 alone (the same runs, 'no' left out) has nothing to divide by: its ratio cells say so."""
     out, _ = compared
