@@ -191,11 +191,14 @@ def table(pairs: list[dict], precision: str, machines: dict[str, list[int]]) -> 
         plain = [100 * p[name]["plain"] for p in pairs]
         wall = sum(p[name]["wall_s"] for p in pairs) / sum(p["anchor"]["wall_s"] for p in pairs)
         cpu = sum(p[name]["cpu_s"] for p in pairs) / sum(p["anchor"]["cpu_s"] for p in pairs)
-        spread = f" ± {statistics.pstdev(tta):.2f}" if len(tta) > 1 else ""
-        lines.append(
-            f"- {name}: TTA {statistics.fmean(tta):.2f}%{spread} (min {min(tta):.2f}), plain "
-            f"{statistics.fmean(plain):.2f}% over {len(pairs)} seeds; wall {wall:.2f}x, CPU {cpu:.2f}x the anchor's"
-        )
+        if len(pairs) == 1:
+            accuracy = f"TTA {tta[0]:.2f}%, plain {plain[0]:.2f}% at seed {pairs[0]['seed']}"
+        else:
+            accuracy = (
+                f"TTA {statistics.fmean(tta):.2f}% ± {statistics.pstdev(tta):.2f} (min {min(tta):.2f}), plain "
+                f"{statistics.fmean(plain):.2f}% over {len(pairs)} seeds"
+            )
+        lines.append(f"- {name}: {accuracy}; wall {wall:.2f}x, CPU {cpu:.2f}x the anchor's")
     return "\n".join(lines) + "\n"
 
 

@@ -102,6 +102,8 @@ def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named
     assert "- CPU: The CPU the run recorded (" in table
     assert f"| 0 | preset | {100 * pair['preset']['tta']:.2f} | {100 * pair['preset']['plain']:.2f} | 60 | 80 | 76 " \
            "| 0.80x | 0.80x |" in table  # fmt: skip
+    assert f"- preset: TTA {100 * pair['preset']['tta']:.2f}%, plain {100 * pair['preset']['plain']:.2f}% at seed 0; " \
+           "wall 0.80x, CPU 0.80x the anchor's" in table  # fmt: skip
     summary = json.loads((out / "side_by_side.json").read_text())
     assert summary["pairs"] == [pair] and list(summary["machines"].values()) == [[0]]
     assert not (out / "seed0" / "anchor.log").exists()
