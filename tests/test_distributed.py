@@ -14,9 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.optim import StepSchedule
 
-from conftest import REPO, assert_same_run, crashed_copy, read_results, run_cli, tiny_args
-
-TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+from conftest import REPO, TORCHRUN, assert_same_run, crashed_copy, read_results, run_cli, tiny_args
 
 
 def two_rank_env(cli_env: dict[str, str], **extra: str) -> dict[str, str]:
