@@ -24,7 +24,7 @@ def check_joined(accelerator: Accelerator, command: str) -> None:
     """Refuse processes that a launcher started but Accelerate did not join into one group (a multi-GPU launch on a
     machine without a GPU, or torchrun without --cpu there): each would do all the work and write the same files."""
     processes = launched_processes()
-    if processes == 1 and several_asked_of_one_cpu_launch():
+    if processes == 1 and accelerator.device.type == "cpu" and several_asked_of_one_launch():
         logger.warning(
             f"accelerate launch starts several CPU processes only through mpirun, so this run is 1 process; for N, "
             f"launch with 'torchrun --nproc_per_node N -m cifar_accel.{command} --cpu'"
@@ -39,13 +39,13 @@ def check_joined(accelerator: Accelerator, command: str) -> None:
     raise InputError(f"{processes} processes were started but they are not connected into one process group; {fix}")
 
 
-def several_asked_of_one_cpu_launch() -> bool:
-    """Whether ``accelerate launch`` was asked for several processes on CPUs (``--cpu --num_processes 2``, or a
-    MULTI_CPU config) without mpirun: it then starts one process, whose environment has the rendezvous address it
-    sets for several but no launcher's process count."""
-    launched_by_accelerate_on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+def several_asked_of_one_launch() -> bool:
+    """Whether ``accelerate launch`` was asked for several processes (``--num_processes 2``, with ``--cpu`` or on a
+    machine without GPUs, or a MULTI_CPU config) and started one, as it does without mpirun: its single-process
+    launcher (which sets ACCELERATE_USE_CPU, true or false) then sets the rendezvous address that several would
+    need, and no launcher's process count is there."""
     counted = any(name in os.environ for name in ("WORLD_SIZE", *MPI_SIZES))
-    return launched_by_accelerate_on_cpu and "MASTER_ADDR" in os.environ and not counted
+    return "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and not counted
 
 
 def require_one_process(command: str) -> None:

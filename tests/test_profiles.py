@@ -47,26 +47,32 @@ def test_multi_node_template_names_what_each_machine_must_set():
     assert "CHANGE" in settings["machine_rank"] and "CHANGE" in settings["main_process_ip"]
 
 
-def launcher(profile: str, *options: str) -> list[str]:
-    """``accelerate launch`` of this environment with one of the profiles."""
+def launcher(profile: str | None, *options: str) -> list[str]:
+    """``accelerate launch`` of this environment with one of the profiles (None: none, and no default config, as
+    the tests' HF_HOME holds none)."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-    return [accelerate, "launch", *options, "--config_file", str(REPO / "accelerate_configs" / f"{profile}.yaml")]
+    config = ["--config_file", str(REPO / "accelerate_configs" / f"{profile}.yaml")] if profile else []
+    return [accelerate, "launch", *options, *config]
 
 
 ONE_OF_SEVERAL = "accelerate launch starts several CPU processes only through mpirun, so this run is 1 process"
 
 
 @pytest.mark.parametrize(
-    "profile, options", [("cpu", ()), ("cpu_bf16", ()), ("cpu", ("--num_processes", "2"))], ids=["cpu", "bf16", "two"]
+    "profile, options",
+    [("cpu", ()), ("cpu_bf16", ()), ("cpu", ("--num_processes", "2")), (None, ("--num_processes", "2"))],
+    ids=["cpu", "bf16", "two", "two-without-a-profile"],
 )
 def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profile, options):
-    """With --num_processes 2 and no mpirun, accelerate launch starts one process: the run says so, and trains."""
+    """With --num_processes 2 and no mpirun, accelerate launch starts one process, with the CPU profile and, on a
+    machine without GPUs, without one: the run says so, and trains."""
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "150")
-    proc = run_cli(args, cli_env, launcher=launcher(profile, *options))
+    env = {**cli_env, "CUDA_VISIBLE_DEVICES": ""}  # no GPU: the launch without a profile trains on the CPU
+    proc = run_cli(args, env, launcher=launcher(profile, *options))
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
-    assert results["mixed_precision"] == EXPECTED[profile][0]
+    assert results["mixed_precision"] == (EXPECTED[profile][0] if profile else "no")
     assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
     assert results["epochs_completed"] == 1
     assert "x 1 processes x" in proc.stdout
