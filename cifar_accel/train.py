@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# Imported before Accelerate starts a process group, as the torchvision import once did it: torch.optim imports it
+# with the first optimizer anyway, and imported after gloo's threads had started, a rank of a two-rank run
+# sometimes aborted as it exited ("terminate called without an active exception").
+import torch._dynamo  # noqa: F401
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger

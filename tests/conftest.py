@@ -29,8 +29,8 @@ from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.errors import run_cli as run_main
 
 REPO = Path(__file__).resolve().parents[1]
-# Two ranks on this machine; --standalone gives each launch a free port of its own, where torchrun's default, 29500,
-# would let two launches on the two test workers meet at one rendezvous.
+# Two ranks on this machine; --standalone gives each launch a free port of its own, where the two test workers'
+# launches would otherwise both take torchrun's default, 29500.
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
 CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
