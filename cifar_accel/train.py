@@ -13,11 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# Imported before Accelerate starts a process group, as the torchvision import once did it: torch.optim imports it
-# with the first optimizer anyway, and imported after gloo's threads had started, a rank of a two-rank run
-# sometimes aborted as it exited ("terminate called without an active exception").
-import torch._dynamo  # noqa: F401
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
@@ -112,6 +107,11 @@ def batch_pipeline(config: TrainConfig, data: CifarData, device: torch.device) -
 
 
 def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str] | str | None) -> Accelerator:
+    # torch.optim imports torch._dynamo with the first optimizer; imported after gloo's threads had started, a rank
+    # of a two-rank run sometimes aborted as it exited ("terminate called without an active exception"), so it is
+    # imported before Accelerate starts a process group.
+    import torch._dynamo  # noqa: F401
+
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision,
         cpu=config.cpu,
