@@ -122,6 +122,9 @@ def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
             raise InputError(f"--{name} {given[name]} is not for compare; {fix.format(value=given[name])}")
     for seed in args.seeds:
         check_field("seed", seed, "--seeds")
+    for flag, values in (("--precisions", args.precisions), ("--seeds", args.seeds)):
+        if (twice := next((value for value in values if values.count(value) > 1), None)) is not None:
+            raise InputError(f"{flag} lists {twice} more than once; give each once")
 
 
 def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool = False) -> list[str]:
@@ -539,13 +542,12 @@ def compare(
     skipped = {p: reason for p in args.precisions if (reason := unsupported(p))}
     for precision, reason in skipped.items():
         logger.info(f"skipping {precision}: {reason}")
-    precisions = [p for p in dict.fromkeys(args.precisions) if p not in skipped]
+    precisions = [p for p in args.precisions if p not in skipped]
     if not precisions:
         raise InputError("none of the requested precisions can run here; add --precisions no")
 
-    seeds = list(dict.fromkeys(args.seeds))
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
-    folders = {(p, seed): output_dir / f"{p}_seed{seed}" for p in precisions for seed in seeds}
+    folders = {(p, seed): output_dir / f"{p}_seed{seed}" for p in precisions for seed in args.seeds}
     # Threads that each wait on one training process.
     with TrainingProcesses() as processes, ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {
@@ -567,7 +569,7 @@ def compare(
             f"not finished ({', '.join(stopped)}); run the same command again to go on",
             processes.exit_code,
         )
-    summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in seeds}) for p in precisions]
+    summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in args.seeds}) for p in precisions]
     add_ratios(summaries)
 
     report = {
@@ -576,7 +578,7 @@ def compare(
         "versions": summaries[0]["versions"],
         "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
         f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
-        "seeds": seeds,
+        "seeds": args.seeds,
         "jobs": args.jobs,
         "skipped": skipped,
         "precisions": summaries,

@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if (twice := next((seed for seed in args.seeds if args.seeds.count(seed) > 1), None)) is not None:
+        parser.error(f"--seeds lists {twice} more than once; give each once")
     given = given_flags(train_args)
     for name, own in SET_FOR_BOTH.items():
         if name in given:

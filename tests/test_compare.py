@@ -305,6 +305,8 @@ def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_pat
         (["--resume", "latest"], "--resume_from_checkpoint latest is not for compare; compare resumes its unfinished "
          "runs and reuses its finished ones itself: run the same command again without it"),
         (["--seeds", "1", "-4"], "--seeds: 'seed' must be >= 0, got -4"),
+        (["--seeds", "0", "2", "0"], "--seeds lists 0 more than once; give each once"),
+        (["--precisions", "bf16", "no", "bf16"], "--precisions lists bf16 more than once; give each once"),
     ],
 )  # fmt: skip
 def test_training_flags_that_compare_sets_per_run_are_refused_with_its_own(tiny_dataset, tmp_path, capsys, flags, fix):

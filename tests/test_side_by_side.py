@@ -213,3 +213,15 @@ def test_preset_flags_that_the_pair_sets_for_both_scripts_are_refused(tmp_path, 
     assert refused.value.code == 2
     assert capsys.readouterr().err.strip().endswith(f"side_by_side.py: error: {problem}")
     assert not out.exists()
+
+
+def test_a_seed_given_twice_is_refused(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "pair"
+    argv = ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), "--seeds", "0", "1", "0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as refused:
+        side_by_side_script.main()
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith("side_by_side.py: error: --seeds lists 0 more than once; give each once")
+    assert not out.exists()
