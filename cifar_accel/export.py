@@ -11,6 +11,7 @@ test split of the run's dataset: its predictions must be those of ``load_model``
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
 import io
@@ -35,11 +36,11 @@ from cifar_accel.outputs import (
     EXPORT_FILES,
     RESULTS_FILE,
     WEIGHTS_FILE,
-    check_writable,
     file_sha256,
     json_keys,
     refuse_foreign_files,
     save_atomic,
+    writable_output_dir,
     write_atomic,
 )
 from cifar_accel.processes import require_one_process
@@ -160,8 +161,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--output",
         type=user_path,
-        help="Where to write it; default: model.onnx or model.pt2 beside the weights (a checkpoint's: "
-        "model_<checkpoint>.onnx in its run folder).",
+        help="Where to write it, its folders made as needed; default: model.onnx or model.pt2 beside the weights (a "
+        "checkpoint's: model_<checkpoint>.onnx in its run folder).",
     )
     parser.add_argument(
         "--check_dataset", type=user_path, help="The dataset whose images check the export (default: the run's own)."
@@ -200,9 +201,12 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--output '{path}' must end in {suffix} for --format {args.format}")
     if path.is_dir() or path.resolve() == trained.weights.resolve():
         raise InputError(f"--output '{path}' is a folder or the weights themselves; name a new file")
-    if not path.parent.is_dir():
-        raise InputError(f"--output's folder '{path.parent}' does not exist; create it first")
-    check_writable(path.parent, "--output's folder", "--output")
+    with writable_output_dir(path.parent, "--output's folder", "--output"):
+        export_model(args, trained, path)
+
+
+def export_model(args: argparse.Namespace, trained: TrainedModel, path: Path) -> None:
+    """Export ``trained`` to ``path`` as ``args`` say, with its description beside it, and check the export."""
     description_file = path.with_name(path.name + ".json")
     ours = {"format", "file", "weights"} <= json_keys(description_file)  # an earlier export's, replaced
     refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")

@@ -305,14 +305,14 @@ def check_writable(folder: Path, what: str, flag: str) -> None:
 
 
 @contextmanager
-def writable_output_dir(output_dir: Path) -> Iterator[Path]:
-    """``output_dir`` (an --output_dir), created if needed and checked to be writable. The folders created here go
-    again if the command fails while they are still empty (before its first write), so bad input found after they
-    were made leaves nothing behind."""
+def writable_output_dir(output_dir: Path, what: str = "output directory", flag: str = "--output_dir") -> Iterator[Path]:
+    """``output_dir`` (the folder of ``flag``, named ``what`` in refusals), created if needed and checked to be
+    writable. The folders created here go again if the command fails while they are still empty (before its first
+    write), so bad input found after they were made leaves nothing behind."""
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
     if output_dir.is_file():
-        raise InputError(f"output directory '{output_dir}' is a file; choose another --output_dir")
-    check_writable(output_dir, "output directory", "--output_dir")
+        raise InputError(f"{what} '{output_dir}' is a file; choose another {flag}")
+    check_writable(output_dir, what, flag)
     try:
         yield output_dir
     except BaseException:
