@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,9 +30,6 @@ from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.errors import run_cli as run_main
 
 REPO = Path(__file__).resolve().parents[1]
-# Two ranks on this machine; --standalone gives each launch a free port of its own, where the two test workers'
-# launches would otherwise both take torchrun's default, 29500.
-TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
 CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -178,6 +176,22 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def torchrun(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The launcher of two ranks on this machine. --standalone gives each launch a free port of its own, where the
+    two test workers' launches would otherwise both take torchrun's default, 29500; its logs go to the test
+    session's own folder, not to a new /tmp/torchelastic_* of each launch."""
+    logs = tmp_path_factory.mktemp("torchrun_logs")
+    return [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--log-dir",
+        str(logs),
+    ]
+
+
+@pytest.fixture(scope="session")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment for CLI subprocesses: offline, with a `datasets` cache of the test session's own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
@@ -201,6 +215,17 @@ def run_cli(
     """Run ``python -m module args`` (or ``launcher + [-m, module] + args``) in a real subprocess."""
     command = (launcher or [sys.executable]) + ["-m", module, *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(
+    condition: Callable[[], object], process: subprocess.Popen | None = None, seconds: float = 120, poll: float = 0.01
+) -> None:
+    """Check ``condition`` every ``poll`` seconds until it holds; fail if ``process`` ends first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process is None or process.poll() is None, f"the process ended (exit code {process.returncode}) first"
+        assert time.monotonic() < deadline, f"not so after {seconds} s"
+        time.sleep(poll)
 
 
 def run_on_a_small_disk(

@@ -20,7 +20,7 @@ from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 
 import summarize_runs
-from conftest import CLASS_NAMES, REPO, TORCHRUN, make_images, read_results, run_cli, tiny_args, train_in_process
+from conftest import CLASS_NAMES, REPO, make_images, read_results, run_cli, tiny_args, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -235,11 +235,11 @@ def test_predict_on_a_folder_of_class_folders_names_them(trained_run, tmp_path, 
     assert run_main(predict.main, ["--model", str(trained_run), *(str(p) for p in (tmp_path / "test").iterdir())]) == 0
 
 
-def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, tmp_path):
+def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env, torchrun, tmp_path):
     """torchrun with CPU forced gives two real gloo ranks; 83 test images in batches of 50 split unevenly."""
     env = {**cli_env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = run_cli(["--model", str(trained_run), "--cpu", "--output_dir", str(tmp_path / "two")], env,
-                   module="cifar_accel.evaluate", launcher=TORCHRUN)  # fmt: skip
+                   module="cifar_accel.evaluate", launcher=torchrun)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert evaluate(trained_run, cli_env, "--output_dir", str(tmp_path / "one")).returncode == 0
     one, two = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
@@ -248,12 +248,12 @@ def test_evaluation_with_two_ranks_counts_every_sample_once(trained_run, cli_env
     assert two["accuracy"] == one["accuracy"] and two["confusion_matrix"] == one["confusion_matrix"]
 
 
-def test_unconnected_ranks_of_evaluate_are_refused(trained_run, cli_env, tmp_path):
+def test_unconnected_ranks_of_evaluate_are_refused(trained_run, cli_env, torchrun, tmp_path):
     """torchrun without --cpu on a machine without a GPU (as a multi-GPU profile would start them) gives two
     unconnected ranks, each of which would evaluate everything and write the same report."""
     env = {**cli_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = run_cli(["--model", str(trained_run), "--output_dir", str(tmp_path / "out")], env,
-                   module="cifar_accel.evaluate", launcher=TORCHRUN)  # fmt: skip
+                   module="cifar_accel.evaluate", launcher=torchrun)  # fmt: skip
     assert proc.returncode != 0
     errors = [error for error in proc.stderr.splitlines() if error.startswith("error: ")]
     line = (

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.optim import StepSchedule
 
-from conftest import REPO, TORCHRUN, assert_same_run, crashed_copy, read_results, run_cli, tiny_args
+from conftest import REPO, assert_same_run, crashed_copy, read_results, run_cli, tiny_args
 
 
 def two_rank_env(cli_env: dict[str, str], **extra: str) -> dict[str, str]:
@@ -30,10 +30,10 @@ def run_args(dataset: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_dataset, cli_env, tmp_path_factory) -> Path:
+def two_ranks(tiny_dataset, cli_env, torchrun, tmp_path_factory) -> Path:
     """A 2-rank run in which each rank saves its weights after the first epoch's validation (rank<N>.safetensors)."""
     root = tmp_path_factory.mktemp("two_ranks")
-    command = [*TORCHRUN, str(REPO / "tests" / "rank_weights.py"), "--cpu", *run_args(tiny_dataset, root / "run")]
+    command = [*torchrun, str(REPO / "tests" / "rank_weights.py"), "--cpu", *run_args(tiny_dataset, root / "run")]
     env = two_rank_env(cli_env, RANK_WEIGHTS_DIR=str(root))
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -60,10 +60,10 @@ def test_every_evaluation_sample_counts_once_and_only_rank_0_writes(two_ranks):
     assert event_files and len({f.name.split(".")[-2] for f in event_files}) == 1  # ...<host>.<pid>.<n>
 
 
-def test_a_two_rank_checkpoint_resumes_exactly_with_two_ranks(two_ranks, tiny_dataset, cli_env, tmp_path):
+def test_a_two_rank_checkpoint_resumes_exactly_with_two_ranks(two_ranks, tiny_dataset, cli_env, torchrun, tmp_path):
     resumed = crashed_copy(two_ranks / "run", tmp_path / "resumed", last_step=6)  # 2 batches into epoch 2
     args = ["--cpu", *run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"]
-    proc = run_cli(args, two_rank_env(cli_env), launcher=TORCHRUN)
+    proc = run_cli(args, two_rank_env(cli_env), launcher=torchrun)
     assert proc.returncode == 0, proc.stderr
     assert "1 epochs and 2 batches done" in proc.stdout
     tensors, max_diff = assert_same_run(two_ranks / "run", resumed)
@@ -90,9 +90,9 @@ def test_a_mid_epoch_checkpoint_refuses_another_process_count(two_ranks, tiny_da
     assert not (resumed / "results.json").exists()
 
 
-def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tmp_path):
+def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, torchrun, tmp_path):
     """torchrun without --cpu on a machine without GPUs starts two ranks that Accelerate does not join."""
-    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run"), two_rank_env(cli_env), launcher=TORCHRUN)
+    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "run"), two_rank_env(cli_env), launcher=torchrun)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     # One line from each rank, unless torchrun stops the second rank before it writes, once the first has failed.
@@ -106,7 +106,7 @@ def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, tm
 
 
 def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resumes_exactly(
-    tiny_dataset, cli_env, tmp_path
+    tiny_dataset, cli_env, torchrun, tmp_path
 ):
     """The fast preset (Muon and SGD in one optimizer, a per-step schedule, alternating flips and translations,
     steps of 4 accumulated batches) on all 327 training images with 2 ranks of 8: 20 batches and 5 optimizer steps
@@ -118,7 +118,7 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
                                    "--logging_steps", "1", "--whiten_bias_epochs", "1")]  # fmt: skip
 
     straight = tmp_path / "straight"
-    proc = run_cli(fast_args(straight), two_rank_env(cli_env), launcher=TORCHRUN)
+    proc = run_cli(fast_args(straight), two_rank_env(cli_env), launcher=torchrun)
     assert proc.returncode == 0, proc.stderr
     results = read_results(straight)
     assert results["num_processes"] == 2 and results["train_samples"] == 327 and results["validation"] is False
@@ -131,7 +131,7 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
 
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=6)  # 1 batch into epoch 2
     proc = run_cli([*fast_args(resumed), "--resume_from_checkpoint", "latest"], two_rank_env(cli_env),
-                   launcher=TORCHRUN)  # fmt: skip
+                   launcher=torchrun)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "1 epochs and 4 batches done" in proc.stdout
     assert_same_run(straight, resumed)

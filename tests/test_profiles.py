@@ -68,7 +68,8 @@ def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profi
     machine without GPUs, without one: the run says so, and trains."""
     out = tmp_path / "run"
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "150")
-    env = {**cli_env, "CUDA_VISIBLE_DEVICES": ""}  # no GPU: the launch without a profile trains on the CPU
+    # No GPU: the launch without a profile trains on the CPU. TMPDIR: the launcher's torchelastic_* logs go here.
+    env = {**cli_env, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
     proc = run_cli(args, env, launcher=launcher(profile, *options))
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
