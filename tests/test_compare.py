@@ -24,7 +24,7 @@ from cifar_accel.compare import TrainingProcesses, add_ratios, markdown
 from cifar_accel.compare import main as compare_cli
 from cifar_accel.errors import run_cli as run_in_process
 
-from conftest import read_results, run_cli, tiny_args
+from conftest import read_results, run_cli, tiny_args, wait_until
 
 PRECISIONS = ["no", "bf16"]
 SEEDS = [42, 7]
@@ -209,10 +209,7 @@ def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(
                      "--precisions", "no", "bf16", "--seeds", "42", "--jobs", "1")  # fmt: skip
     command = [sys.executable, "-m", "cifar_accel.compare", *args]
     proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not complete_checkpoints(out / "no_seed42"):  # the first run in its second epoch
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: complete_checkpoints(out / "no_seed42"), proc)  # the first run in its second epoch
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
 
@@ -231,10 +228,7 @@ def test_a_closed_terminal_reaches_the_runs_too(tmp_path, hangup_as_a_terminal_s
     run stops at a checkpoint as for SIGTERM) and starts no other run."""
     with TrainingProcesses() as processes, ThreadPoolExecutor(1) as pool:
         running = pool.submit(processes.run, ["sh", "-c", f"touch {tmp_path}/started; exec sleep 60"])
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "started").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until((tmp_path / "started").exists, seconds=30)
         os.kill(os.getpid(), signal.SIGHUP)
         assert running.result(timeout=30).returncode == -signal.SIGHUP
         assert processes.signal_number == signal.SIGHUP and processes.run(["true"]) is None
@@ -248,10 +242,8 @@ def test_a_comparison_killed_by_sigkill_takes_its_run_down_at_a_checkpoint(tiny_
                      "--max_train_samples", "150", "--precisions", "no", "--seeds", "42")  # fmt: skip
     comparison = subprocess.Popen([sys.executable, "-m", "cifar_accel.compare", *args], env=cli_env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    run, deadline = out / "no_seed42", time.monotonic() + 120
-    while not (complete_checkpoints(run) and (run / ".lock").exists()):
-        assert comparison.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    run = out / "no_seed42"
+    wait_until(lambda: complete_checkpoints(run) and (run / ".lock").exists(), comparison)
     comparison.kill()
     comparison.wait()
     deadline = time.monotonic() + 60

@@ -46,6 +46,7 @@ from conftest import (
     snapshot,
     tiny_args,
     train_in_process,
+    wait_until,
     write_image_folder,
     write_split_files,
 )
@@ -244,10 +245,7 @@ def test_two_processes_one_folder_and_sigkill_leaves_no_stale_lock(tiny_dataset,
     args = tiny_args(tiny_dataset, out, "--num_train_epochs", "50", "--early_stopping_patience", "0")
     first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=cli_env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not complete_checkpoints(out):
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: complete_checkpoints(out), first, poll=0.05)
     second = run_subprocess([*args, "--resume_from_checkpoint", "latest"], cli_env)  # a requeued copy
     assert second.returncode == 2
     assert f"is in use by another run (pid {first.pid} on " in one_error_line(second)
@@ -267,10 +265,7 @@ def test_auto_resume_is_one_command_for_a_jobs_first_start_and_its_requeue(tiny_
     unbuffered = {**cli_env, "PYTHONUNBUFFERED": "1"}  # its lines are read after a SIGKILL
     first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=unbuffered,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not complete_checkpoints(tmp_path / "job"):
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: complete_checkpoints(tmp_path / "job"), first, poll=0.05)
     first.kill()
     assert (
         f"--resume_from_checkpoint auto: a new run starts, as there is no checkpoint in {tmp_path / 'job'}"
@@ -293,10 +288,7 @@ def test_a_job_killed_while_writing_its_first_checkpoint_starts_again_when_reque
         args = [*run_args(tiny_dataset, job), "--resume_from_checkpoint", "auto"]
         first = subprocess.Popen([sys.executable, "-m", "cifar_accel.train", *args], env=cli_env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not list((job / "checkpoints").glob(".partial-*")):
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.0005)
+        wait_until(lambda job=job: list((job / "checkpoints").glob(".partial-*")), first, poll=0.0005)
         first.send_signal(signal.SIGSTOP)
         cut_off = not complete_checkpoints(job)
         first.kill()

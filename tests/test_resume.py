@@ -37,6 +37,7 @@ from conftest import (
     run_cli,
     tiny_args,
     train_in_process,
+    wait_until,
     write_split_files,
 )
 
@@ -80,10 +81,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
     args = run_args(tiny_dataset, out, precision, "--logging_steps", "1")  # telemetry at every step
     command = [sys.executable, "-m", "cifar_accel.train", *args]
     proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "step_00000012").exists():  # well into epoch 2
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until((out / "checkpoints" / "step_00000012").exists, proc)  # well into epoch 2
     proc.send_signal(signal_number)
     stdout, stderr = proc.communicate(timeout=120)
 

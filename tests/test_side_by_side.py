@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import side_by_side as side_by_side_script
 
-from conftest import REPO, read_results, run_cli
+from conftest import REPO, read_results, run_cli, wait_until
 
 SCRIPT = REPO / "scripts" / "side_by_side.py"
 ANCHOR = "absent_anchor.py"  # never started: every pair here is reused or refused
@@ -166,10 +166,7 @@ def test_the_script_killed_by_sigkill_takes_both_scripts_down(tiny_dataset, cli_
                "--precision", "no", "--seeds", "0", "--output_dir", str(out), "--", *SCALED_DOWN,
                "--num_train_epochs", "1000"]  # fmt: skip
     script = subprocess.Popen(command, env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (out / "no_seed0" / ".lock").exists():  # the preset's run has started
-        assert script.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until((out / "no_seed0" / ".lock").exists, script, poll=0.05)  # the preset's run has started
     script.kill()
     script.wait()
     deadline = time.monotonic() + 60
