@@ -177,6 +177,7 @@ def test_the_slurm_script_on_two_simulated_nodes_matches_the_two_process_run(
         MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,
         NODE_LOGS=str(logs),
+        TMPDIR=str(tmp_path),  # each node's torchrun writes its torchelastic_* logs here, not in /tmp
     )
     command = [
         "bash",
