@@ -123,8 +123,15 @@ def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
     for seed in args.seeds:
         check_field("seed", seed, "--seeds")
     for flag, values in (("--precisions", args.precisions), ("--seeds", args.seeds)):
-        if (twice := next((value for value in values if values.count(value) > 1), None)) is not None:
-            raise InputError(f"{flag} lists {twice} more than once; give each once")
+        if problem := listed_twice(flag, values):
+            raise InputError(problem)
+
+
+def listed_twice(flag: str, values: list) -> str | None:
+    """The refusal of a list ``flag`` that names a value more than once (a run each, so most likely a typo for
+    another value), else None."""
+    twice = [value for value in values if values.count(value) > 1]
+    return f"{flag} lists {twice[0]} more than once; give each once" if twice else None
 
 
 def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool = False) -> list[str]:

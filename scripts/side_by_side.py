@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from cifar_accel.compare import config_differences
+from cifar_accel.compare import config_differences, listed_twice
 from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import load_data
 from cifar_accel.errors import user_path
@@ -212,8 +212,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if (twice := next((seed for seed in args.seeds if args.seeds.count(seed) > 1), None)) is not None:
-        parser.error(f"--seeds lists {twice} more than once; give each once")
+    if problem := listed_twice("--seeds", args.seeds):
+        parser.error(problem)
     given = given_flags(train_args)
     for name, own in SET_FOR_BOTH.items():
         if name in given:
