@@ -179,11 +179,12 @@ class RunBookkeeper:
 
     def save_or_stop(self) -> None:
         """A checkpoint every ``checkpointing_steps`` optimizer steps, or when a stop was requested (then stop).
-        An epoch's last step is saved at the epoch's end, after the epoch is logged: a checkpoint taken before
-        would make its resume log the epoch a second time."""
+        An epoch's last step (or the run's last, with --max_train_steps) is saved at the epoch's end, after the epoch
+        is logged: a checkpoint taken before would make its resume log the epoch a second time."""
         accelerator, state = self.run.accelerator, self.state
         due = self.steps_between_saves and state.global_step % self.steps_between_saves == 0
-        due = due and not accelerator.gradient_state.end_of_dataloader
+        last = accelerator.gradient_state.end_of_dataloader or state.global_step == self.run.config.max_train_steps
+        due = due and not last
         logged = state.global_step % self.run.config.logging_steps == 0
         # One process reads its own flag at no cost; several agree on it where they save or log anyway.
         stopping = self.stop.requested(accelerator) if due or logged or accelerator.num_processes == 1 else False

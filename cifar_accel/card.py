@@ -153,7 +153,7 @@ Hugging Face Accelerate.
 | test accuracy without TTA | {results.test_accuracy_no_tta:.4f} |
 | tested | {tested}{averaged} |
 | test images | {results.test_samples} |
-| epochs | {results.epochs_completed}{" (stopped early)" if results.stopped_early else ""} |
+| epochs | {results.epochs_completed}{epochs_note(config, results)} |
 
 ## Training
 
@@ -191,6 +191,13 @@ or from the command line: `python -m cifar_accel.predict --model path/to/this/fo
 """  # noqa: E501 - table rows
     metadata = card_metadata(config, results, run_name, class_names)
     return ModelCard(f"---\n{metadata.to_yaml()}\n---\n{body}")
+
+
+def epochs_note(config: TrainConfig, results: RunResults) -> str:
+    """What the epochs row adds: that validation stopped the run early, or that --max_train_steps set its length."""
+    if results.stopped_early:
+        return " (stopped early)"
+    return f" ({config.max_train_steps} optimizer steps: --max_train_steps)" if config.max_train_steps else ""
 
 
 def training_images(results: RunResults) -> str:

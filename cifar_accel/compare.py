@@ -579,12 +579,14 @@ def compare(
     summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in args.seeds}) for p in precisions]
     add_ratios(summaries)
 
+    steps = config.max_train_steps
+    length = f"{steps} optimizer steps" if steps else f"{config.num_train_epochs} epochs"
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
         **recorded_environment(finished),
         "versions": summaries[0]["versions"],
-        "config_summary": f"{config.dataset_name}, {config.num_train_epochs} epochs, batch "
-        f"{config.per_device_train_batch_size}, lr {config.learning_rate:g}, {config.model_name}",
+        "config_summary": f"{config.dataset_name}, {length}, batch {config.per_device_train_batch_size}, lr "
+        f"{config.learning_rate:g}, {config.model_name}",
         "seeds": args.seeds,
         "jobs": args.jobs,
         "skipped": skipped,

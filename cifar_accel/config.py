@@ -172,6 +172,13 @@ class TrainConfig:
         aliases=("--epochs",),
         ge=1,
     )
+    max_train_steps: int | None = _field(
+        None,
+        "Train this many optimizer steps in all, instead of --num_train_epochs whole epochs: the last epoch stops "
+        "part way where the steps end there. A per-step schedule decays over these steps.",
+        resume="match",
+        ge=1,
+    )
     per_device_train_batch_size: int = _field(
         64, "Training batch size per process.", resume="match", aliases=("--batch_size", "--batch-size"), ge=1
     )

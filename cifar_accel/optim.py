@@ -159,6 +159,17 @@ class StepSchedule:
         return self.end_factor + (1 - self.end_factor) * decay
 
 
+def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
+    """The optimizer steps a run takes in all: --max_train_steps, else --num_train_epochs whole epochs."""
+    return config.max_train_steps or config.num_train_epochs * steps_per_epoch
+
+
+def total_epochs(config: TrainConfig, steps_per_epoch: int) -> int:
+    """The epochs a run trains in: --num_train_epochs, or those --max_train_steps reaches into (the last one
+    stopping part way where the steps end there)."""
+    return math.ceil(total_steps(config, steps_per_epoch) / steps_per_epoch)
+
+
 def build_scheduler(
     config: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -166,7 +177,7 @@ def build_scheduler(
     optimizer step (``linear``, ``cosine_steps``; stepped after each optimizer step, see ``Run.schedule_per_step``).
     With --whiten_bias_epochs, the whitening bias's group decays linearly to 0 over those epochs instead."""
     if config.lr_scheduler_type in PER_STEP_SCHEDULES:
-        total = config.num_train_epochs * steps_per_epoch
+        total = total_steps(config, steps_per_epoch)
         schedule = StepSchedule(
             config.lr_scheduler_type,
             total,
@@ -181,7 +192,7 @@ def build_scheduler(
         ]
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     if config.lr_scheduler_type == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.num_train_epochs)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_epochs(config, steps_per_epoch))
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step_size, gamma=config.lr_gamma)
 
 
@@ -199,23 +210,27 @@ def freeze_decayed_whitening_bias(optimizer: torch.optim.Optimizer) -> None:
 def check_resumed_schedule(
     scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, steps_per_epoch: int, checkpoint: Path
 ) -> None:
-    """Refuse to change the length of a schedule that has one. The cosine's period and a per-step schedule's
-    total steps, restored from the checkpoint, come from the run's first ``num_train_epochs``: more epochs would
+    """Refuse to change the length of a schedule that has one. The cosine's period (epochs) and a per-step
+    schedule's total steps, restored from the checkpoint, come from the run's first length: a longer run would
     run the learning rate back up the cosine, or past the end of the decay. StepLR has no length and extends
     as it is (one drop every ``lr_step_size`` epochs)."""
+    epochs = total_epochs(config, steps_per_epoch)
     if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
-        if scheduler.T_max != config.num_train_epochs:
+        if scheduler.T_max != epochs:
+            asked, fix = f"--num_train_epochs {epochs}", f"--num_train_epochs {scheduler.T_max}"
+            if config.max_train_steps:  # the same steps, in epochs of another number of processes
+                asked = f"--max_train_steps {config.max_train_steps} in epochs of {steps_per_epoch} steps"
+                fix = "the number of processes it started with"
             raise InputError(
                 f"checkpoint '{checkpoint}' anneals the learning rate to zero over {scheduler.T_max} epochs (the "
-                f"cosine schedule's period), so --num_train_epochs {config.num_train_epochs} cannot change it: the "
-                f"learning rate would run back up the cosine; resume with --num_train_epochs {scheduler.T_max}, or "
-                "start a new run with the longer schedule"
+                f"cosine schedule's period), so {asked} cannot change it: the learning rate would run back up the "
+                f"cosine; resume with {fix}, or start a new run with the longer schedule"
             )
     elif isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        total, wanted = scheduler.lr_lambdas[0].total_steps, config.num_train_epochs * steps_per_epoch
+        total, wanted = scheduler.lr_lambdas[0].total_steps, total_steps(config, steps_per_epoch)
         if total != wanted:
             raise InputError(
                 f"checkpoint '{checkpoint}' follows a '{config.lr_scheduler_type}' schedule over {total} optimizer "
-                f"steps, and this run would take {wanted} ({config.num_train_epochs} epochs of {steps_per_epoch}); "
-                "resume with the number of epochs and processes it started with, or start a new run"
+                f"steps, and this run would take {wanted} ({epochs} epochs of {steps_per_epoch}); resume with the "
+                "number of epochs and processes it started with, or start a new run"
             )

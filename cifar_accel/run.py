@@ -42,6 +42,7 @@ class Run:
     last_checkpoint: Path | None  # the checkpoint resumed from
     global_batch_size: int
     learning_rate: float
+    num_epochs: int  # the epochs it trains in: --num_train_epochs, or those --max_train_steps reaches into
     ema: WeightAverage | None  # the weight average, when --ema_decay is set
     profiler: torch.profiler.profile | None = None  # while train_epochs runs, with --profile_steps
 

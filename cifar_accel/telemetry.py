@@ -90,6 +90,8 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
     report), speed and memory, the setting, and the per-epoch history."""
     accelerator, state, tta, precision = run.accelerator, run.state, run.config.tta, run.precision
     history, val_samples = state.history, len(run.data.val)
+    most = max(record.train_images for record in history)  # a last epoch cut short by --max_train_steps has fewer
+    whole = [record for record in history if record.train_images == most]
     memory, memory_measure = peak_memory(accelerator.device)
     return RunResults(
         validation=val_samples > 0,
@@ -108,7 +110,7 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         mixed_precision_source=precision["requested_by"],
         precision_advice=precision["advice"],
         train_images_per_second=sum(r.train_images for r in history) / sum(r.train_seconds for r in history),
-        seconds_per_epoch=sum(r.epoch_seconds for r in history) / len(history),
+        seconds_per_epoch=sum(r.epoch_seconds for r in whole) / len(whole),
         skipped_steps=state.skipped_steps,
         peak_memory_mib=memory,
         peak_memory_measure=memory_measure,

@@ -51,6 +51,8 @@ from cifar_accel.optim import (
     build_scheduler,
     check_resumed_schedule,
     freeze_decayed_whitening_bias,
+    total_epochs,
+    total_steps,
 )
 from cifar_accel.outputs import (
     CONFIG_FILE,
@@ -170,7 +172,8 @@ def set_up_run(
         resume_path, resumed = resolve_checkpoint(config.resume_from_checkpoint, output_dir)
         check_resumed_in_place(resume_path, output_dir)
         check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
-        check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
+        if not config.max_train_steps:  # a run of --max_train_steps resumes with its own, as the fingerprint holds
+            check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
 
     data, global_batch, learning_rate = load_run_data(config, accelerator)
     signature = data_signature(data)
@@ -198,6 +201,12 @@ def set_up_run(
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     check_profile_steps(config, steps_per_epoch, resumed)
+    if config.max_train_steps:
+        epochs, last = divmod(config.max_train_steps, steps_per_epoch)
+        logger.info(
+            f"--max_train_steps {config.max_train_steps}: {epochs} epochs of {steps_per_epoch} optimizer steps"
+            + (f", then {last} of epoch {epochs + 1}" if last else "")
+        )
     run = Run(
         config=config,
         accelerator=accelerator,
@@ -220,6 +229,7 @@ def set_up_run(
         last_checkpoint=None,
         global_batch_size=global_batch,
         learning_rate=learning_rate,
+        num_epochs=total_epochs(config, steps_per_epoch),
         ema=WeightAverage(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None,
     )
     run.precision = measure_precision(run, precision_source)
@@ -233,7 +243,7 @@ def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: Trai
     if not config.profile_steps:
         return
     done = resumed.global_step if resumed else 0
-    left = steps_per_epoch * config.num_train_epochs - done
+    left = total_steps(config, steps_per_epoch) - done
     needed = config.profile_steps + STEPS_BEFORE_RECORDING
     if needed > left:
         raise InputError(
@@ -294,7 +304,7 @@ def train_epochs(run: Run, books: RunBookkeeper) -> None:
     --profile_steps, under the profiler."""
     title = f"{run.config.model_name}, {run.precision['effective']}, batch {run.config.per_device_train_batch_size}"
     with profiled(run.accelerator, run.config.profile_steps, run.output_dir, title) as run.profiler:
-        for epoch in range(run.state.epoch, run.config.num_train_epochs):
+        for epoch in range(run.state.epoch, run.num_epochs):
             if books.stops_early():
                 break
             if run.accelerator.num_processes == 1:
@@ -311,14 +321,16 @@ def train_epochs(run: Run, books: RunBookkeeper) -> None:
 
 
 def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
-    """One epoch of training steps, and after each optimizer step, in this order: count it (and note whether it
-    stayed finite), log it, step a per-step schedule, update the weight average, mark it for the profiler, save a
-    checkpoint or stop."""
+    """One epoch of training steps, or those left of --max_train_steps, and after each optimizer step, in this
+    order: count it (and note whether it stayed finite), log it, step a per-step schedule, update the weight average,
+    mark it for the profiler, save a checkpoint or stop."""
     accelerator = run.accelerator
     averaged = accelerator.unwrap_model(run.model)  # what the weight average follows
     run.model.train()
-    batches = progress_bar(books.begin_epoch(epoch), accelerator, f"epoch {epoch + 1}/{run.config.num_train_epochs}")
+    batches = progress_bar(books.begin_epoch(epoch), accelerator, f"epoch {epoch + 1}/{run.num_epochs}")
     for images, labels in batches:
+        if run.state.global_step == run.config.max_train_steps:
+            break  # part way through the epoch, which ends here (and its end saves the checkpoint)
         inputs, targets = run.train_transform(images, labels)
         with accelerator.accumulate(run.model):
             loss, logits, grad_norm = training_step(

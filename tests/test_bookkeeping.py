@@ -29,11 +29,11 @@ from cifar_accel.train import train_epoch
 from conftest import fp16_accelerator, read_results, tiny_args
 
 
-def small_run(tmp_path: Path, accumulation: int = 1, **config: object) -> Run:
+def small_run(tmp_path: Path, accumulation: int = 1, accelerator: Accelerator | None = None, **config: object) -> Run:
     """A run of a small prepared model, optimizer, epoch-wise schedule and a loader of 12 batches of 4; what the
     bookkeeping does not use (data, evaluation, metric) is left out."""
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    accelerator = accelerator or Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -46,7 +46,7 @@ def small_run(tmp_path: Path, accumulation: int = 1, **config: object) -> Run:
         config=settings, accelerator=accelerator, output_dir=tmp_path, data=None, model=model, optimizer=optimizer,
         scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader, train_transform=lambda x, y: (x, y),
         val_loader=None, test_loader=None, eval_transform=None, metric=None, precision={}, state=TrainerState(),
-        last_checkpoint=None, global_batch_size=4 * accumulation, learning_rate=0.1, ema=None,
+        last_checkpoint=None, global_batch_size=4 * accumulation, learning_rate=0.1, num_epochs=2, ema=None,
     )  # fmt: skip
 
 
@@ -67,6 +67,23 @@ def test_batches_and_optimizer_steps_are_counted_and_saved_every_n_steps(tmp_pat
     assert books.last_checkpoint == tmp_path / "checkpoints" / "step_00000006"
     saved = json.loads((books.last_checkpoint / STATE_FILE).read_text())
     assert (saved["epoch"], saved["step_in_epoch"], len(saved["history"])) == (1, 0, 1)
+
+
+def test_max_train_steps_ends_the_epoch_part_way_and_counts_the_steps_a_grad_scaler_skipped(tmp_path):
+    """--max_train_steps counts optimizer steps as the schedule does, the ones fp16's GradScaler skipped included:
+    a loss scale of 2**24 overflows the gradients, so each of the 5 steps is skipped and halves the scale."""
+    accelerator = fp16_accelerator("cpu", init_scale=2.0**24)
+    run = small_run(tmp_path, accelerator=accelerator, max_train_steps=5, checkpointing_steps="5")
+    before = [p.detach().clone() for p in run.model.parameters()]
+    books = RunBookkeeper(run, StopRequest())
+    stats = train_epoch(run, books, epoch=0)
+    assert (run.state.global_step, run.state.step_in_epoch, run.state.skipped_steps) == (5, 5, 5)
+    assert stats["images"] == 20 and accelerator.scaler.get_scale() == 2.0**19
+    assert all(torch.equal(b, p) for b, p in zip(before, run.model.parameters(), strict=True))
+    assert complete_checkpoints(tmp_path) == []  # the run's last step is saved at the epoch's end, not before it
+    books.end_epoch(stats, None)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005"]
+    assert run.state.history[0].train_images == 20
 
 
 def test_end_epoch_records_and_saves_with_the_rate_the_epoch_trained_with(tmp_path):

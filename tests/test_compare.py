@@ -184,6 +184,23 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
     )
 
 
+def test_a_length_in_optimizer_steps_is_reported_and_keeps_its_runs_apart(tiny_dataset, cli_env, tmp_path, capsys):
+    out = tmp_path / "report"
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "150", "--precisions", "no", "--seeds", "0",
+                     "--max_train_steps", "5")  # fmt: skip
+    proc = run_cli(args, cli_env, module="cifar_accel.compare")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert ", 5 optimizer steps, batch 32, " in report["config_summary"]
+    assert report["precisions"][0]["per_seed"][0]["epochs"] == 2  # 135 training images: 4 steps of 32, then 1
+    assert read_results(out / "no_seed0")["history"][1]["train_images"] == 32
+    proc = run_cli(args, cli_env, module="cifar_accel.compare")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("reusing the finished run") == 1
+    assert run_in_process(compare_cli, [*args, "--max_train_steps", "6"]) == 2
+    assert "was made with other settings (max_train_steps 5 (not 6))" in capsys.readouterr().err
+
+
 def test_runs_made_with_other_settings_are_refused_with_the_fix_for_compare(compared, tiny_dataset, tmp_path, capsys):
     """A resume of them would be refused, with advice for train's command line (--config <run>/config.yaml) that
     does not fit compare's: the comparison names them and its own fix before anything runs."""

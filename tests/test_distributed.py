@@ -105,29 +105,34 @@ def test_processes_without_a_process_group_are_refused(tiny_dataset, cli_env, to
     assert not (tmp_path / "run" / "results.json").exists()
 
 
+@pytest.mark.parametrize("max_train_steps", [None, 7])
 def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resumes_exactly(
-    tiny_dataset, cli_env, torchrun, tmp_path
+    tiny_dataset, cli_env, torchrun, tmp_path, max_train_steps
 ):
     """The fast preset (Muon and SGD in one optimizer, a per-step schedule, alternating flips and translations,
     steps of 4 accumulated batches) on all 327 training images with 2 ranks of 8: 20 batches and 5 optimizer steps
-    an epoch, each step stepping the schedule once."""
+    an epoch, each step stepping the schedule once; two epochs, or with --max_train_steps 7 one and 2 steps."""
+    total = max_train_steps or 10
+    length = ["--max_train_steps", str(max_train_steps)] if max_train_steps else []
 
     def fast_args(out: Path) -> list[str]:
         return ["--cpu", *run_args(tiny_dataset, out, "--config", "fast", "--per_device_train_batch_size", "8",
                                    "--gradient_accumulation_steps", "4", "--max_eval_samples", "40",
-                                   "--logging_steps", "1", "--whiten_bias_epochs", "1")]  # fmt: skip
+                                   "--logging_steps", "1", "--whiten_bias_epochs", "1", *length)]  # fmt: skip
 
     straight = tmp_path / "straight"
     proc = run_cli(fast_args(straight), two_rank_env(cli_env), launcher=torchrun)
     assert proc.returncode == 0, proc.stderr
     results = read_results(straight)
     assert results["num_processes"] == 2 and results["train_samples"] == 327 and results["validation"] is False
+    assert [r["train_images"] for r in results["history"]] == [320, 2 * 4 * 8 * 2 if max_train_steps else 320]
     events = EventAccumulator(str(straight / "logs" / "cifar_accel"))
     events.Reload()
     logged = events.Scalars("step/learning_rate")
-    schedule = StepSchedule("linear", total_steps=10, warmup_steps=0, start_factor=1.0, end_factor=0.0)
-    assert [e.step for e in logged] == list(range(1, 11))
-    assert [e.value for e in logged] == pytest.approx([1.656 * schedule(step - 1) for step in range(1, 11)], rel=1e-6)
+    schedule = StepSchedule("linear", total_steps=total, warmup_steps=0, start_factor=1.0, end_factor=0.0)
+    assert [e.step for e in logged] == list(range(1, total + 1))
+    assert [e.value for e in logged] == pytest.approx([1.656 * schedule(step - 1) for step in range(1, total + 1)],
+                                                      rel=1e-6)  # fmt: skip
 
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=6)  # 1 batch into epoch 2
     proc = run_cli([*fast_args(resumed), "--resume_from_checkpoint", "latest"], two_rank_env(cli_env),

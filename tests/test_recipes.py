@@ -84,7 +84,7 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
         config=config, accelerator=accelerator, output_dir=tmp_path, data=None, model=model, optimizer=optimizer,
         scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader, train_transform=transform, val_loader=None,
         test_loader=None, eval_transform=None, metric=None, precision={}, state=TrainerState(), last_checkpoint=None,
-        global_batch_size=8, learning_rate=0.0, ema=None,
+        global_batch_size=8, learning_rate=0.0, num_epochs=1, ema=None,
     )  # fmt: skip
     stats = train_epoch(run, RunBookkeeper(run, StopRequest()), epoch=0)
     assert stats["accuracy"] == pytest.approx((labels == 0).float().mean().item())

@@ -1,0 +1,125 @@
+"""--max_train_steps: a run of a given number of optimizer steps, which may end part way through an epoch, its
+schedule over those steps, its resume and its refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cifar_accel.bookkeeping import RunBookkeeper
+from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.optim import StepSchedule
+
+from conftest import assert_same_run, crashed_copy, read_results, tiny_args, train_in_process
+
+LR = 1e-3  # the default --learning_rate
+
+
+def run_args(dataset: Path, out: Path, *extra: str, length: tuple[str, ...] = ("--max_train_steps", "20")) -> list[str]:
+    """20 optimizer steps of a linear decay: two epochs of 9 batches of 32, then 2 batches of a third; a checkpoint
+    every 4 steps, all kept."""
+    return tiny_args(dataset, out, *length, "--lr_scheduler_type", "linear", "--logging_steps", "1",
+                     "--checkpointing_steps", "4", "--checkpoints_total_limit", "100", "--max_eval_samples", "40",
+                     *extra)  # fmt: skip
+
+
+def snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("max_train_steps") / "run"
+    assert train_in_process(run_args(tiny_dataset, out)) == 0
+    return out
+
+
+def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight):
+    results = read_results(straight)
+    assert results["epochs_completed"] == 3  # --num_train_epochs 1 is overridden
+    assert [r["train_images"] for r in results["history"]] == [288, 288, 64]
+    whole = [r["epoch_seconds"] for r in results["history"][:2]]
+    assert results["seconds_per_epoch"] == sum(whole) / 2  # the cut-short epoch is no epoch's measure
+    # Every step once, the last one the 20th; its checkpoint is saved once, at the epoch's end.
+    assert [p.name for p in complete_checkpoints(straight)] == [
+        f"step_{step:08d}" for step in (4, 8, 9, 12, 16, 18, 20)
+    ]
+    state = json.loads((straight / "checkpoints" / "step_00000020" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (3, 0, 20)
+    events = EventAccumulator(str(straight / "logs" / "cifar_accel"))
+    events.Reload()
+    logged = events.Scalars("step/learning_rate")
+    assert [e.step for e in logged] == list(range(1, 21))
+    # The linear decay spans the 20 steps: the 20th trains at 1/20 of the rate, and the schedule ends at 0.
+    schedule = StepSchedule("linear", total_steps=20, warmup_steps=0, start_factor=0.0, end_factor=0.0)
+    assert [e.value for e in logged] == pytest.approx([LR * schedule(step - 1) for step in range(1, 21)], rel=1e-6)
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9, 1.0), (18, 2.0), (20, 3.0)]
+    assert "| epochs | 3 (20 optimizer steps: --max_train_steps) |" in (straight / "README.md").read_text()
+    config = (straight / "config.yaml").read_text()
+    assert "num_train_epochs: 1\n" in config and "max_train_steps: 20\n" in config  # as given
+
+
+def test_the_log_says_where_the_steps_end(tiny_dataset, train_here, tmp_path):
+    proc = train_here(run_args(tiny_dataset, tmp_path / "run", "--max_train_steps", "9", "--report_to", "none"))
+    assert proc.returncode == 0, proc.stderr
+    assert "--max_train_steps 9: 1 epochs of 9 optimizer steps\n" in proc.stdout
+    assert read_results(tmp_path / "run")["epochs_completed"] == 1
+    proc = train_here(run_args(tiny_dataset, tmp_path / "run2", "--max_train_steps", "3", "--profile_steps", "2"))
+    assert proc.returncode == 2
+    assert (
+        "--profile_steps 2 needs 4 optimizer steps (2 before the recorded ones) but the run has 3 left" in proc.stderr
+    )
+    assert not (tmp_path / "run2").exists()
+
+
+@pytest.mark.parametrize(("cut", "done"), [(16, "1 epochs and 7 batches"), (18, "2 epochs and 0 batches")])
+def test_a_resume_ends_where_the_uninterrupted_run_did(straight, tiny_dataset, train_here, tmp_path, cut, done):
+    resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
+    proc = train_here([*run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"{done} done" in proc.stdout
+    assert_same_run(straight, resumed)
+
+
+class StopAtStep20(RunBookkeeper):
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().count_step(loss, grad_norm)
+        if self.state.global_step == 20:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded: the run stops after this step, with a checkpoint
+
+
+def test_a_stop_at_the_last_step_resumes_to_close_the_epoch_it_stopped_in(straight, tiny_dataset, train_here, tmp_path):
+    """A stop request at the run's last step, 2 batches into epoch 3, saves that step mid-epoch; the resume trains
+    no further and closes the epoch: the same run as the uninterrupted one."""
+    out = tmp_path / "run"
+    proc = train_here(run_args(tiny_dataset, out), bookkeeper_type=StopAtStep20)
+    assert proc.returncode == 143
+    assert proc.stderr.startswith("stopped by SIGTERM after 2 epochs and 2 batches (optimizer step 20); saved ")
+    assert not (out / "results.json").exists()
+    proc = train_here([*run_args(tiny_dataset, out), "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert "2 epochs and 2 batches done" in proc.stdout
+    assert_same_run(straight, out)
+
+
+@pytest.mark.parametrize(
+    ("length", "now"),
+    [(("--max_train_steps", "16"), "16"), (("--max_train_steps", "24"), "24"), (("--num_train_epochs", "3"), "None")],
+)
+def test_a_resume_to_another_length_is_refused_and_leaves_the_run_as_it_was(
+    straight, tiny_dataset, train_here, tmp_path, length, now
+):
+    """The length of a run of --max_train_steps is part of it, as its schedule is: a resume keeps it."""
+    run = crashed_copy(straight, tmp_path / "run", last_step=16)
+    before = snapshot(run)
+    proc = train_here([*run_args(tiny_dataset, run, length=length), "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"was made with a different config (max_train_steps: checkpoint 20, now {now}); resume with" in line
+    assert snapshot(run) == before
