@@ -66,11 +66,18 @@ def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight):
 
 
 def test_the_log_says_where_the_steps_end(tiny_dataset, train_here, tmp_path):
-    proc = train_here(run_args(tiny_dataset, tmp_path / "run", "--max_train_steps", "9", "--report_to", "none"))
-    assert proc.returncode == 0, proc.stderr
-    assert "--max_train_steps 9: 1 epochs of 9 optimizer steps\n" in proc.stdout
-    assert read_results(tmp_path / "run")["epochs_completed"] == 1
-    proc = train_here(run_args(tiny_dataset, tmp_path / "run2", "--max_train_steps", "3", "--profile_steps", "2"))
+    for steps, where, epochs in (
+        ("9", "1 epochs of 9 optimizer steps\n", 1),
+        ("11", "1 epochs of 9 optimizer steps, then 2 of epoch 2\n", 2),
+    ):
+        out = tmp_path / f"run{steps}"
+        proc = train_here(run_args(tiny_dataset, out, "--report_to", "none", length=("--max_train_steps", steps)))
+        assert proc.returncode == 0, proc.stderr
+        assert f"--max_train_steps {steps}: {where}" in proc.stdout
+        assert read_results(out)["epochs_completed"] == epochs
+    proc = train_here(
+        run_args(tiny_dataset, tmp_path / "run2", "--profile_steps", "2", length=("--max_train_steps", "3"))
+    )
     assert proc.returncode == 2
     assert (
         "--profile_steps 2 needs 4 optimizer steps (2 before the recorded ones) but the run has 3 left" in proc.stderr
