@@ -437,9 +437,34 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif _unsettable(name):
+            help_text = f"{f.metadata['help']} (default: {f.default}; none unsets it)"
+            parser.add_argument(*flags, dest=name, type=_number_or_none(kind), help=help_text)
         else:
             parser.add_argument(*flags, dest=name, type=kind, choices=choices, help=help_text)
     return parser
+
+
+def _unsettable(name: str) -> bool:
+    """Whether the field is a number that may be None, which the flag's value ``none`` sets (unsetting what a config
+    file gave); a text field keeps 'none' as text, a name that a column or a run may have."""
+    kind, _, optional = _unwrap(_TYPES[name])
+    return optional and kind in (int, float)
+
+
+def _number_or_none(kind: type) -> typing.Callable[[str], int | float | None]:
+    """An argparse type for an optional number: ``none`` is None, anything else must be a ``kind``."""
+
+    def convert(value: str) -> int | float | None:
+        if value.lower() == "none":
+            return None
+        try:
+            return kind(value)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what} or none, not {value!r}") from None
+
+    return convert
 
 
 def given_flags(argv: typing.Sequence[str]) -> dict[str, Any]:
@@ -768,5 +793,7 @@ def flag_reference() -> str:
             allowed += f" Range: {', '.join(f'{symbols[b]} {limit}' for b, limit in bounds.items())}."
         if pattern := f.metadata["pattern"]:
             allowed += f" Must be {pattern[1]}."
+        if _unsettable(name):
+            allowed += " `none` unsets it."
         lines.append(f"| {flag}{aliases} | {default} | {f.metadata['resume']} | {cell(f.metadata['help'])}{allowed} |")
     return "\n".join(lines) + "\n"

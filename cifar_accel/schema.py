@@ -73,6 +73,8 @@ def check_value(annotation: Any, value: object, name: str, invalid: Invalid, lim
         if value is None and type(None) in args:
             return None
         (annotation,) = [a for a in args if a is not type(None)]
+        if annotation in (int, float) and isinstance(value, str) and value.lower() == "none":
+            raise invalid(f"'{name}' must be {annotation.__name__} or null, not {quote(value)}: YAML's none is null")
         return check_value(annotation, value, name, invalid, limits)
     if annotation is Any:
         return value

@@ -68,6 +68,20 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.learning_rate, config.num_train_epochs) == (0.25, 4)
 
 
+def test_none_on_the_command_line_unsets_an_optional_number_that_the_config_file_gave(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_grad_norm: 1.0\nmax_train_samples: 100\nmax_train_steps: 7\nmax_eval_samples: 50\n")
+    config, _ = load_config(["--config", str(path)])
+    assert (config.max_grad_norm, config.max_train_samples, config.max_train_steps, config.max_eval_samples) == (
+        1.0, 100, 7, 50
+    )  # fmt: skip
+    argv = ["--max_grad_norm", "none", "--max_train_samples", "None", "--max_train_steps=NONE"]
+    config, _ = load_config(["--config", str(path), *argv])
+    assert (config.max_grad_norm, config.max_train_samples, config.max_train_steps, config.max_eval_samples) == (
+        None, None, None, 50
+    )  # fmt: skip
+
+
 def test_a_config_file_reads_numbers_and_no_as_the_command_line_does(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-3\nweight_decay: 5E-4\nmomentum: 9.0e-1\nlabel_smoothing: .1e0\n")
@@ -121,6 +135,7 @@ def test_launcher_precision_is_read_from_the_environment(monkeypatch):
         ("num_train_epochs: 0\n", "'num_train_epochs' must be >= 1"),
         ("early_stopping_patience: -1\n", "'early_stopping_patience' must be >= 0"),
         ("max_grad_norm: -1\n", "'max_grad_norm' must be > 0"),
+        ("max_train_steps: none\n", "'max_train_steps' must be int or null, not 'none': YAML's none is null"),
         ("lr_scheduler_type: exponential\n", "'lr_scheduler_type' must be one of step, cosine, linear, cosine_steps"),
         ("mixed_precision: fp8\n", "'mixed_precision' must be one of no, fp16, bf16"),
         ("model_name: resnet\n", "'model_name' must be one of simple_cnn"),
@@ -151,6 +166,10 @@ def test_bad_config_files_are_refused(tmp_path, yaml_text, message):
             "meant",
         ),
         (["--lr", "abc"], "invalid float value: 'abc'"),
+        (["--max_train_steps", "2.5"], "argument --max_train_steps: expected a whole number or none, not '2.5'"),
+        (["--max_grad_norm", "nan"], "'max_grad_norm' must be a finite number"),
+        (["--max_grad_norm", "off"], "argument --max_grad_norm: expected a number or none, not 'off'"),
+        (["--max_train_samples", "0"], "'max_train_samples' must be >= 1"),
         (["--lr", "-1"], "'learning_rate' must be > 0"),
         (["--val_ratio", "-0.1"], "'val_ratio' must be >= 0"),
         (["--mixed_precision", "fp32"], "invalid choice: 'fp32'"),
