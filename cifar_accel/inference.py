@@ -203,11 +203,17 @@ def load_model(path: str | Path) -> TrainedModel:
     model = build_model(config.model_name, num_classes=len(class_names))
     if config.channels_last:  # the layout the run evaluated with, so results match it exactly
         model = model.to(memory_format=torch.channels_last)
+    in_own_checkpoint = weights.name in (WEIGHTS_FILE, EMA_FILE) and in_checkpoint(weights)
     try:
-        in_own_checkpoint = weights.name in (WEIGHTS_FILE, EMA_FILE) and in_checkpoint(weights)
         state = validated_weights(weights.parent) if in_own_checkpoint else safetensors.torch.load_file(weights)
+    except (SafetensorError, OSError) as err:
+        raise InputError(
+            f"'{weights}' cannot be read as safetensors weights, damaged or cut short ({one_line(err)[:300]}); "
+            "pass an intact copy, or a checkpoint folder of the run"
+        ) from None
+    try:
         model.load_state_dict(state)
-    except (SafetensorError, RuntimeError, OSError) as err:
+    except RuntimeError as err:
         raise InputError(
             f"weights in '{weights}' do not fit model '{config.model_name}' with {len(class_names)} classes "
             f"({one_line(err)[:300]})"

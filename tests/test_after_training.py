@@ -76,6 +76,17 @@ def test_mismatched_weights_are_one_line(trained_run, cli_env, tmp_path):
     assert proc.returncode == 2 and "no model weights" in proc.stderr
 
 
+def test_cut_short_weights_are_one_line_that_says_so(trained_run, cli_env, tmp_path):
+    run = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "logs"))
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = evaluate(run, cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: '{weights}' cannot be read as safetensors weights, damaged or cut short (")
+    assert not (run / "eval_test").exists()
+
+
 def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_env, tmp_path):
     """Files of several kinds (PNG, JPEG, grayscale, not 32x32) are written first; a dataset built from those same
     files gives the model's answer on the dataset's copies, which predict must reproduce."""
