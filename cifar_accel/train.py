@@ -134,9 +134,14 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
         data = load_data(config)
     batch_per_step = config.per_device_train_batch_size * accelerator.num_processes
     if len(data.train) < batch_per_step:
+        fixes = ["lower --per_device_train_batch_size"]
+        if data.val_split is None and len(data.val):
+            fixes.append(f"a lower --val_ratio (it holds out {len(data.val)})")
+        if config.max_train_samples is not None:
+            fixes.append("a higher --max_train_samples")
         raise InputError(
             f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; "
-            "lower --per_device_train_batch_size"
+            f"{', or '.join(fixes)}"
         )
     global_batch = batch_per_step * config.gradient_accumulation_steps
     scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1
