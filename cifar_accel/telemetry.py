@@ -26,14 +26,27 @@ logger = get_logger(__name__)
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
+def cpu_name(cpuinfo: str) -> str:
+    """The first CPU's model name in ``cpuinfo`` (the text of /proc/cpuinfo), with its x86 family and model where
+    they are given: a cloud machine's name can be as bare as "AMD EPYC", the same for a Zen 4 (family 25 model 17)
+    and a Zen 5, whose speeds differ."""
+    fields = {}
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "?")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
 def hardware() -> dict[str, Any]:
     """What a run ran on: the CPU (model, cores, its ``SPEED_FLAGS``, native bf16), torch's CPU capability and
     thread count, and the GPU."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count()}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+        info["cpu"] = cpu_name(cpuinfo.read_text())
         flags = cpu_flags()
         info["cpu_flags"] = [flag for flag in SPEED_FLAGS if flag in flags]
         info["cpu_native_bf16"] = native_bf16()

@@ -140,8 +140,7 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
         if config.max_train_samples is not None:
             fixes.append("a higher --max_train_samples")
         raise InputError(
-            f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; "
-            f"{', or '.join(fixes)}"
+            f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; {', or '.join(fixes)}"
         )
     global_batch = batch_per_step * config.gradient_accumulation_steps
     scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1

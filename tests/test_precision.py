@@ -18,6 +18,7 @@ from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
 from cifar_accel.precision import hardware_advice, precision_report
+from cifar_accel.telemetry import cpu_name
 
 from conftest import fp16_accelerator, read_results, reset_accelerate_state, tiny_args
 
@@ -153,3 +154,21 @@ def test_the_hardware_advice_warns_of_emulated_bf16_and_points_native_bf16_out()
     assert hardware_advice("bf16", cpu, has_native_bf16=True) is None
     assert hardware_advice("no", cpu, has_native_bf16=False) is None
     assert hardware_advice("bf16", gpu, has_native_bf16=False) is None
+
+
+ZEN4 = (
+    "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    "flags\t\t: avx2\n"
+)
+ZEN5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
+
+
+def test_the_cpu_is_named_with_its_x86_family_and_model():
+    """Two machines whose model name is the same bare "AMD EPYC" are told apart; /proc/cpuinfo without them (an Arm
+    machine) gives its name alone, or "?"."""
+    zen4 = "\n".join(ZEN4.format(n=n) for n in range(2))
+    assert cpu_name(zen4) == "AMD EPYC (family 25 model 17)"
+    assert cpu_name("\n".join(ZEN5.format(n=n) for n in range(2))) == "AMD EPYC (family 26 model 2)"
+    intel = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
+    assert cpu_name(intel) == "Intel(R) Xeon(R) Platinum 8488C (family 6 model 143)"
+    assert cpu_name("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == "?"
