@@ -11,6 +11,7 @@ every variant alike:
   CPU computes bfloat16 natively);
 - ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
 - ``silu``: fast_net with SiLU in place of GELU (hiverge/cifar10-speedrun);
+- ``gelu_tanh``: fast_net with GELU's tanh approximation in place of the exact GELU;
 
 and the optimizer step alone (on the gradients of one real step), as the preset takes it and as the record's
 later changes would: every filter bank's Newton-Schulz batched in one padded 3-D tensor, and the renormalisation
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
@@ -37,13 +39,14 @@ from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware
 
-VARIANTS = {  # name: (config overrides, GELU replaced by SiLU)
-    "preset": ({}, False),
-    "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, False),
-    "batch500": ({"per_device_train_batch_size": 500, "gradient_accumulation_steps": 4}, False),
-    "ns_bf16": ({"muon_ns_dtype": "bfloat16"}, False),
-    "compile": ({"torch_compile": True}, False),
-    "silu": ({}, True),
+VARIANTS = {  # name: (config overrides, what replaces fast_net's GELU, or None)
+    "preset": ({}, None),
+    "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, None),
+    "batch500": ({"per_device_train_batch_size": 500, "gradient_accumulation_steps": 4}, None),
+    "ns_bf16": ({"muon_ns_dtype": "bfloat16"}, None),
+    "compile": ({"torch_compile": True}, None),
+    "silu": ({}, nn.SiLU),
+    "gelu_tanh": ({}, lambda: nn.GELU(approximate="tanh")),
 }
 STEP_IMAGES = 2000
 
@@ -52,15 +55,21 @@ def fast_config(**overrides) -> TrainConfig:
     return TrainConfig(**{**read_config_file(config_path("fast")), **overrides})
 
 
-def build(config: TrainConfig, silu: bool, accelerator: Accelerator, batch: tuple[torch.Tensor, torch.Tensor]):
-    """The preset's model, optimizer and loss, prepared by an Accelerator, as training builds them, and ``config``."""
+def build(
+    config: TrainConfig,
+    activation: Callable[[], nn.Module] | None,
+    accelerator: Accelerator,
+    batch: tuple[torch.Tensor, torch.Tensor],
+):
+    """The preset's model (its GELUs replaced by ``activation()`` if given), optimizer and loss, prepared by an
+    Accelerator, as training builds them, and ``config``."""
     set_seed(0)
     model = build_model("fast_net", num_classes=10)
-    if silu:
+    if activation is not None:
         for parent in model.modules():
             for name, child in parent.named_children():
                 if isinstance(child, nn.GELU):
-                    setattr(parent, name, nn.SiLU())
+                    setattr(parent, name, activation())
     model.init_from_data(batch[0][:500])
     model = model.to(memory_format=torch.channels_last)
     if config.torch_compile:
@@ -144,8 +153,8 @@ def main() -> None:
     accelerator = Accelerator(mixed_precision=args.precision, cpu=True)
     built = {}
     for name in args.variants:
-        overrides, silu = VARIANTS[name]
-        built[name] = build(fast_config(**overrides), silu, accelerator, batch)
+        overrides, activation = VARIANTS[name]
+        built[name] = build(fast_config(**overrides), activation, accelerator, batch)
         start = time.perf_counter()
         for _ in range(args.warmup):
             optimizer_step(*built[name], *batch)
