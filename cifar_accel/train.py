@@ -136,11 +136,11 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
     if len(data.train) < batch_per_step:
         fixes = ["lower --per_device_train_batch_size"]
         if data.val_split is None and len(data.val):
-            fixes.append(f"a lower --val_ratio (it holds out {len(data.val)})")
+            fixes.append(f"lower --val_ratio (it holds out {len(data.val)} images)")
         if config.max_train_samples is not None:
-            fixes.append("a higher --max_train_samples")
+            fixes.append("raise --max_train_samples")
         raise InputError(
-            f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; {', or '.join(fixes)}"
+            f"{len(data.train)} training images are fewer than one batch of {batch_per_step}; " + ", or ".join(fixes)
         )
     global_batch = batch_per_step * config.gradient_accumulation_steps
     scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1
