@@ -77,7 +77,7 @@ def test_mismatched_weights_are_one_line(trained_run, cli_env, tmp_path):
 
 
 def test_cut_short_weights_are_one_line_that_says_so(trained_run, cli_env, tmp_path):
-    run = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "logs"))
+    run = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "logs", "eval_*"))
     weights = run / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     proc = evaluate(run, cli_env)
