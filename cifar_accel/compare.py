@@ -71,6 +71,7 @@ from cifar_accel.precision import unsupported
 from cifar_accel.processes import require_one_process
 from cifar_accel.state import RunResults, read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, stop_signals
+from cifar_accel.telemetry import machine_name
 from cifar_accel.trackers import tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
@@ -291,10 +292,6 @@ def recorded_environment(runs: dict[tuple[str, int], RunResults]) -> dict[str, A
         "other_machines": {machine_name(json.loads(hw)): names for hw, names in list(machines.items())[1:]},
         "threads_per_run": threads_per_run,
     }
-
-
-def machine_name(hw: dict[str, Any]) -> str:
-    return f"{hw.get('gpu') or hw['cpu']} ({' '.join(hw.get('cpu_flags', []))})"
 
 
 def mean_and_spread(values: list[float]) -> dict[str, float]:

@@ -57,6 +57,11 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def machine_name(hw: dict[str, Any]) -> str:
+    """A ``hardware()`` record in a few words: the GPU, or the CPU with its ``SPEED_FLAGS``."""
+    return f"{hw.get('gpu') or hw['cpu']} ({' '.join(hw.get('cpu_flags', []))})"
+
+
 def loss_scale(accelerator: Accelerator) -> float | None:
     return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
 

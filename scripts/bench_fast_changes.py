@@ -37,7 +37,7 @@ from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
-from cifar_accel.telemetry import hardware
+from cifar_accel.telemetry import hardware, machine_name
 
 VARIANTS = {  # name: (config overrides, what replaces fast_net's GELU, or None)
     "preset": ({}, None),
@@ -143,8 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as training does
     hw = hardware()
-    print(f"{hw['cpu']}, flags {' '.join(hw.get('cpu_flags', []))}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.precision}, {STEP_IMAGES} images a step")  # fmt: skip
+    print(f"{machine_name(hw)}; torch {torch.__version__}, {hw['torch_threads']} threads; {args.precision}, "
+          f"{STEP_IMAGES} images a step")  # fmt: skip
     torch.manual_seed(0)
     batch = (
         torch.randn(STEP_IMAGES, 3, 32, 32).contiguous(memory_format=torch.channels_last),

@@ -45,7 +45,7 @@ from cifar_accel.errors import user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
-from cifar_accel.telemetry import hardware
+from cifar_accel.telemetry import hardware, machine_name
 from cifar_accel.train import DATA_INIT_IMAGES, batch_pipeline
 from cifar_accel.transforms import BatchTransform
 
@@ -188,9 +188,8 @@ def main() -> None:
     chapter_recipe = config == recipe("default", "simple_cnn", args.dataset_name, args.batch_size or 64)
     precisions = args.precisions or (["no", "bf16"] if native_bf16() else ["no"])
     hw = hardware()
-    print(f"{hw['cpu']}, flags {' '.join(hw.get('cpu_flags', [])) or 'none of note'}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16()}; model {config.model_name}, "
+    print(f"{machine_name(hw)}; torch {torch.__version__}, {hw['torch_threads']} threads, {hw['cpu_cores']} cores, "
+          f"CPU capability {hw['torch_cpu_capability']}, native bf16: {native_bf16()}; model {config.model_name}, "
           f"batch {config.per_device_train_batch_size}, {config.gradient_accumulation_steps} per optimizer step; "
           f"{args.steps} timed steps")  # fmt: skip
 
