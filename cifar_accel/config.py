@@ -519,10 +519,34 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     return value
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping gives the same key twice."""
+
+    def __init__(self, key: Any, lines: tuple[int, int]) -> None:
+        super().__init__(key, lines)
+        self.key, self.lines = key, lines
+
+
 class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, with YAML 1.2's booleans and floats where PyYAML follows YAML 1.1: only true and false
     are booleans, so ``mixed_precision: no`` is the string 'no' (1.1 reads False, as it does yes, on and off), and
-    ``1e-3`` is a float, as on the command line (1.1 wants a dot and a signed exponent)."""
+    ``1e-3`` is a float, as on the command line (1.1 wants a dot and a signed exponent). A key given twice in one
+    mapping is refused, as YAML 1.2 says, where PyYAML keeps the last value without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}  # key -> the line it was first given on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, whose keys the mapping may override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in lines:
+                    raise DuplicateKeyError(key, (lines[key], line))
+                lines[key] = line
+            except TypeError:  # an unhashable key, which PyYAML refuses with its own message
+                pass
+        return super().construct_mapping(node, deep)
 
 
 ConfigLoader.yaml_implicit_resolvers = {
@@ -641,6 +665,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     _check_yaml_shape(text, path)
     try:
         data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader
+    except DuplicateKeyError as err:
+        first, again = err.lines
+        raise InputError(
+            f"config file {path} gives {quote(str(err.key))} twice (lines {first} and {again}); keep one of them"
+        ) from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""

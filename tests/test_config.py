@@ -102,6 +102,15 @@ def test_a_config_file_reads_numbers_and_no_as_the_command_line_does(tmp_path):
         read_config_file(path)
 
 
+def test_a_key_given_twice_in_a_config_file_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.1\nseed: 1\n\n'learning_rate': 0.01\n")  # PyYAML alone keeps 0.01
+    with pytest.raises(InputError, match=r"gives 'learning_rate' twice \(lines 1 and 4\); keep one of them"):
+        load_config(["--config", str(path)])
+    path.write_text("<<: {seed: 1, learning_rate: 0.1}\nseed: 2\n")  # a merged key may be overridden
+    assert read_config_file(path) == {"seed": 2, "learning_rate": 0.1}
+
+
 @pytest.mark.parametrize(
     ("flag", "launcher", "file", "expected"),
     [
