@@ -1,6 +1,7 @@
 """Run the record recipe (airbench94_muon, ported to this CPU) beside the fast preset: the same data, precision
-and seed, one thread each, at the same time, so that both see the same machine. Prints and writes a table of
-each seed's accuracy with and without test-time augmentation, wall and CPU time, and the preset's ratios.
+and seed, one thread each, at the same time, so that both see the same machine (or, with --one_after_other, the
+anchor and then the preset, each alone on an idle machine). Prints and writes a table of each seed's accuracy with
+and without test-time augmentation, wall and CPU time, and the preset's ratios.
 
     python scripts/side_by_side.py --anchor ../shared/anchors/airbench94_muon_cpu.py \\
         --dataset_name ../shared/data/cifar10-jpeg --precision bf16 --seeds 0 1 2 --output_dir outputs/side_by_side
@@ -14,8 +15,9 @@ folder) finds and reuses it for its seed statistics. A seed whose ``pair.json`` 
 stopped comparison (Ctrl-C stops both scripts, and so does the script's own end, even by SIGKILL) goes on where it
 was; a pair that did not finish runs again from the start, over its preset run, since a pair is timed as a whole.
 A pair whose anchor ran another command, or whose preset run has another config (precision, data or a training
-flag), stops the script instead. The table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it
-names are those each preset run recorded in its ``results.json``.
+flag), or that ran its scripts the other way (together, or one after the other), stops the script instead. The
+table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names are those each preset run
+recorded in its ``results.json``.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -113,14 +115,18 @@ def commands(args: argparse.Namespace, seed: int, flags: list[str]) -> dict[str,
     return {"anchor": anchor, "preset": preset}
 
 
-def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: Path) -> dict:
-    """Both scripts at the same time; a preset run left by a pair that did not finish is replaced, since the pair
-    is timed as a whole."""
+def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: Path, together: bool) -> dict:
+    """Both scripts at the same time (``together``), or the anchor and then the preset; a preset run left by a pair
+    that did not finish is replaced, since the pair is timed as a whole."""
     folder.mkdir(parents=True, exist_ok=True)
     if run_dir.exists():
         commands = {**commands, "preset": [*commands["preset"], "--overwrite_output_dir"]}
-    runs = {name: start(command, folder / f"{name}.log") for name, command in commands.items()}
-    times = finish(runs, folder)
+    if together:
+        times = finish({name: start(command, folder / f"{name}.log") for name, command in commands.items()}, folder)
+    else:
+        times = {}
+        for name, command in commands.items():
+            times |= finish({name: start(command, folder / f"{name}.log")}, folder)
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
     if found is None:
         sys.exit(f"error: no result line in {folder / 'anchor.log'}")
@@ -128,6 +134,7 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
     own_preset = sum(record.epoch_seconds for record in results.history)
     pair = {
         "seed": seed,
+        "together": together,
         "anchor": {"tta": float(found["tta"]), "plain": float(found["plain"]), "own_s": float(found["own"]),
                    **times["anchor"], "command": commands["anchor"]},
         "preset": {"tta": results.test_accuracy, "plain": results.test_accuracy_no_tta, "own_s": own_preset,
@@ -137,10 +144,15 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
     return pair
 
 
-def reuse_pair(done: Path, anchor: list[str], run_dir: Path, flags: list[str]) -> dict:
+def reuse_pair(done: Path, anchor: list[str], run_dir: Path, flags: list[str], together: bool) -> dict:
     """An earlier pair of this seed, if its anchor ran the command ``anchor`` and its preset run (``run_dir``) the
-    config of ``flags``, whatever the interpreter and wherever the folder was then."""
+    config of ``flags``, both run ``together`` or not as now, whatever the interpreter and wherever the folder was
+    then."""
     pair = json.loads(done.read_text())
+    pair.setdefault("together", True)  # as every pair ran before --one_after_other
+    if pair["together"] != together:
+        ran = "at the same time" if pair["together"] else "one after the other"
+        sys.exit(f"error: {done} ran its scripts {ran}; give the same flags again, or another --output_dir")
     ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(anchor[1:])
     if ran != asked:
         sys.exit(f"error: {done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another "
@@ -160,7 +172,7 @@ def machine(run_dir: Path) -> str:
     return f"{hw['cpu']} ({hw['cpu_cores']} cores); flags: {flags}; torch {results.versions['torch']}"
 
 
-def table(pairs: list[dict], precision: str, machines: dict[str, list[int]]) -> str:
+def table(pairs: list[dict], precision: str, machines: dict[str, list[int]], together: bool) -> str:
     """The pairs' table; ``machines`` are the CPUs the preset runs recorded, each with its seeds."""
     if len(machines) == 1:
         ran_on = [f"- CPU: {next(iter(machines))}"]
@@ -171,7 +183,8 @@ def table(pairs: list[dict], precision: str, machines: dict[str, list[int]]) -> 
         f"# Side by side: airbench94_muon (CPU port) and the fast preset, {precision}, one thread each",
         "",
         *ran_on,
-        "- One thread per process; both processes at the same time",
+        "- One thread per process; "
+        + ("both processes at the same time" if together else "the anchor, then the preset, each alone"),
         "",
         "| seed | script | TTA acc | plain acc | own s | wall s | CPU s | wall vs anchor | CPU vs anchor |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -211,6 +224,11 @@ def main() -> None:
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
+    parser.add_argument(
+        "--one_after_other",
+        action="store_true",
+        help="Run the anchor, then the preset, each alone (on an idle machine), instead of both at the same time.",
+    )
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if problem := listed_twice("--seeds", args.seeds):
         parser.error(problem)
@@ -227,8 +245,9 @@ def main() -> None:
     folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
     flags = {seed: preset_flags(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
     wanted = {seed: commands(args, seed, flags[seed]) for seed in args.seeds}
+    together = not args.one_after_other
     earlier = {  # checked before anything runs
-        seed: reuse_pair(folder / "pair.json", wanted[seed]["anchor"], run_dir, flags[seed])
+        seed: reuse_pair(folder / "pair.json", wanted[seed]["anchor"], run_dir, flags[seed], together)
         for seed, (folder, run_dir) in folders.items()
         if (folder / "pair.json").exists()
     }
@@ -239,15 +258,15 @@ def main() -> None:
     load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
     pairs, machines = [], {}
     for seed, (folder, run_dir) in folders.items():
-        pair = earlier.get(seed) or run_pair(wanted[seed], seed, folder, run_dir)
+        pair = earlier.get(seed) or run_pair(wanted[seed], seed, folder, run_dir, together)
         pairs.append(pair)
         ran_on = machine(run_dir)
         machines.setdefault(ran_on, []).append(seed)
-        print(table(pairs[-1:], args.precision, {ran_on: [seed]}), flush=True)
-    summary = {"precision": args.precision, "threads": 1, "machines": machines, "pairs": pairs}
+        print(table(pairs[-1:], args.precision, {ran_on: [seed]}, together), flush=True)
+    summary = {"precision": args.precision, "threads": 1, "together": together, "machines": machines, "pairs": pairs}
     (output_dir / "side_by_side.json").write_text(json.dumps(summary, indent=2))
-    (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines))
-    print(table(pairs, args.precision, machines))
+    (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines, together))
+    print(table(pairs, args.precision, machines, together))
 
 
 if __name__ == "__main__":

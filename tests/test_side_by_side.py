@@ -27,16 +27,19 @@ SCALED_DOWN = ["--num_train_epochs", "1", "--per_device_train_batch_size", "32",
                "--per_device_eval_batch_size", "50"]  # fmt: skip
 
 
-def side_by_side(dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str, anchor=ANCHOR):
+def side_by_side(
+    dataset: Path, out: Path, env: dict[str, str], precision: str, *train_args: str, anchor=ANCHOR, own=()
+):
     command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(dataset),
-               "--precision", precision, "--seeds", "0", "--output_dir", str(out), "--", *train_args]  # fmt: skip
+               "--precision", precision, "--seeds", "0", "--output_dir", str(out), *own, "--", *train_args]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def finished_pair(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
     """A folder as side_by_side leaves it after seed 0's pair in fp32 (``-- SCALED_DOWN``), moved since; the
-    preset's flags, then equal to the preset's values, name its brightness and contrast jitter."""
+    preset's flags, then equal to the preset's values, name its brightness and contrast jitter. Its pair.json is one
+    from before --one_after_other, without "together": both scripts ran at the same time."""
     root = tmp_path_factory.mktemp("side_by_side")
     earlier, out = root / "earlier", root / "moved"
     train = ["--config", "fast", "--dataset_name", str(tiny_dataset), "--mixed_precision", "no", "--seed", "0",
@@ -105,7 +108,7 @@ def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named
     assert f"- preset: TTA {100 * pair['preset']['tta']:.2f}%, plain {100 * pair['preset']['plain']:.2f}% at seed 0; " \
            "wall 0.80x, CPU 0.80x the anchor's" in table  # fmt: skip
     summary = json.loads((out / "side_by_side.json").read_text())
-    assert summary["pairs"] == [pair] and list(summary["machines"].values()) == [[0]]
+    assert summary["pairs"] == [{**pair, "together": True}] and list(summary["machines"].values()) == [[0]]
     assert not (out / "seed0" / "anchor.log").exists()
 
 
@@ -128,6 +131,51 @@ def test_a_pair_that_did_not_finish_runs_again_and_replaces_its_preset_run(
     assert pair["preset"]["command"][-1] == "--overwrite_output_dir"
     assert (out / "no_seed0" / "results.json").stat().st_mtime_ns != earlier
     assert pair["preset"]["tta"] == read_results(out / "no_seed0")["test_accuracy"]
+
+
+PRESET_RUNNING = """
+import time
+from pathlib import Path
+
+time.sleep(1)  # time for a preset started beside it to show
+running = []
+for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    try:
+        running += [cmdline] if b"no_seed0" in cmdline.read_bytes() else []
+    except OSError:  # the process ended meanwhile
+        pass
+print("tta_acc 0.9100 plain_acc 0.9000 time 1.0 s")
+Path(__file__).with_suffix(".seen").write_text(str(len(running)))
+"""
+
+
+def test_one_after_other_starts_the_preset_once_the_anchor_has_exited(finished_pair, tiny_dataset, cli_env, tmp_path):
+    """With --one_after_other no preset runs while the anchor does (a stand-in anchor looks for one), and the table
+    says how the pair ran; a pair run at the same time is not reused by it, nor is its pair by a run without it."""
+    out = finished_pair[0]
+    before = files(out)
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, own=["--one_after_other"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"error: {out / 'seed0' / 'pair.json'} ran its scripts at the same time; give the "
+                                   "same flags again, or another --output_dir")  # fmt: skip
+    assert files(out) == before
+
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text(PRESET_RUNNING)
+    alone = tmp_path / "alone"
+    proc = side_by_side(tiny_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor, own=["--one_after_other"])
+    assert proc.returncode == 0, proc.stderr
+    assert anchor.with_suffix(".seen").read_text() == "0"
+    pair = json.loads((alone / "seed0" / "pair.json").read_text())
+    assert pair["together"] is False and pair["anchor"]["wall_s"] >= 1
+    assert pair["preset"]["tta"] == read_results(alone / "no_seed0")["test_accuracy"]
+    table = (alone / "side_by_side.md").read_text()
+    assert "- One thread per process; the anchor, then the preset, each alone" in table
+    assert json.loads((alone / "side_by_side.json").read_text())["together"] is False
+
+    proc = side_by_side(tiny_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor)
+    assert proc.returncode == 1
+    assert f"{alone / 'seed0' / 'pair.json'} ran its scripts one after the other;" in proc.stderr
 
 
 def running_commands_naming(folder: Path) -> list[str]:
