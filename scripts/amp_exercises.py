@@ -159,7 +159,7 @@ DEMOS = {"overflow": overflow, "pure_fp16": pure_fp16, "resume_scale": resume_sc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("demo", choices=[*DEMOS, "all"])
     demo = parser.parse_args().demo
     print(f"device: {DEVICE}, torch {torch.__version__}\n")

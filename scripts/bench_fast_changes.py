@@ -1,8 +1,10 @@
 """Seconds per optimizer step of the fast preset (fast_net, 2000 images a step) under each change the record recipes
 made and the CPU's own levers, measured in one process in alternating turns, so that a shared host's drift affects
-every variant alike:
+every variant alike.
 
     python scripts/bench_fast_changes.py --precision no --steps 3 --turns 3
+
+The variants (--variants):
 
 - ``preset``: the fast preset as shipped (8 accumulated batches of 250, 3 float32 Newton-Schulz iterations);
 - ``batch2000``: each step one batch of 2000, as airbench94_muon computes it;
@@ -134,7 +136,7 @@ def optimizer_seconds(optimizer: MuonSGD, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
     parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant and turn.")
     parser.add_argument("--turns", type=int, default=3)

@@ -71,7 +71,7 @@ def eval_images_per_second(precision: str, batch_size: int, images: int, cpu: bo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")

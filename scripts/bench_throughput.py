@@ -163,7 +163,7 @@ def startup_seconds(pipeline: str, cache_dir: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--model", choices=["simple_cnn", "fast_net", "resnet9", "resnet18"],
                         help="Measure the preset made for this model (see above).")  # fmt: skip

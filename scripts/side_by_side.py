@@ -218,7 +218,7 @@ def table(pairs: list[dict], precision: str, machines: dict[str, list[int]], tog
 def main() -> None:
     argv = sys.argv[1:]
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--anchor", type=user_path, required=True, help="Path of airbench94_muon_cpu.py.")
     parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")

@@ -18,7 +18,7 @@ from cifar_accel.state import read_results
 
 
 def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="Run folders, each with the results.json of a finished run.")
     run_dirs = parser.parse_args(argv).run_dirs
     runs = [read_results(Path(run_dir) / "results.json") for run_dir in run_dirs]

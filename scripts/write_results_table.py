@@ -20,7 +20,7 @@ def reports() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help, and no arguments
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, and no arguments
     readme = REPO / "README.md"
     text = readme.read_text()
     before, rest = text.split(BEGIN)

@@ -1,10 +1,12 @@
 """The documents stay true to the code: the flag reference is generated from the config and current, every
 relative link in the README and docs/ reaches a file, and a heading where it names one, and each command's --help
-opens with a whole sentence."""
+opens with a whole sentence, the scripts' too."""
 
 from __future__ import annotations
 
 import re
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,21 @@ def test_every_relative_link_resolves(page):
 def test_each_commands_help_opens_with_a_whole_sentence(command):
     """The description is the module docstring's first line; compare's once stopped at "..., then"."""
     description = command.build_parser().description
+    assert re.fullmatch(r"[A-Z][^\n]{20,}\.", description), description
+
+
+SCRIPTS = sorted(path.stem for path in (REPO / "scripts").glob("*.py") if "argparse" in path.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_scripts_help_opens_with_a_whole_sentence(script, monkeypatch, capsys):
+    """The description is the docstring's first paragraph, which argparse reflows; the first line alone cut
+    side_by_side.py's short at "the same data, precision"."""
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(REPO / "scripts" / f"{script}.py"), run_name="__main__")
+    assert stopped.value.code == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())  # the paragraph after the usage
     assert re.fullmatch(r"[A-Z][^\n]{20,}\.", description), description
 
 
