@@ -539,13 +539,14 @@ class ConfigLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, whose keys the mapping may override
                 continue
             key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
             try:
-                if key in lines:
-                    raise DuplicateKeyError(key, (lines[key], line))
-                lines[key] = line
+                first = lines.get(key)
             except TypeError:  # an unhashable key, which PyYAML refuses with its own message
-                pass
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise DuplicateKeyError(key, (first, line))
+            lines[key] = line
         return super().construct_mapping(node, deep)
 
 
