@@ -216,13 +216,21 @@ class TrainConfig:
         "and on recent GPUs).",
         resume="match",
     )
-    whiten_bias_epochs: int = _field(
+    whiten_bias_epochs: float = _field(
         0,
-        "fast_net: train the whitening convolution's bias for this many epochs, its learning rate decaying "
-        "linearly to 0 over them, then keep it (a single process stops computing its gradient then); 0 trains "
-        "it throughout, on the run's schedule. Needs a per-step schedule.",
+        "fast_net: train the whitening convolution's bias for this many epochs (a fraction is rounded to whole "
+        "optimizer steps, at least one), its learning rate decaying linearly to 0 over them, then keep it (a "
+        "single process stops computing its gradient then); 0 trains it throughout, on the run's schedule. Needs "
+        "a per-step schedule.",
         resume="match",
         ge=0,
+    )
+    bias_lr_scale: float = _field(
+        64.0,
+        "fast_net: the biases' learning rate as a multiple of --learning_rate, their weight decay divided by it "
+        "(so that the decay per step stays the same).",
+        resume="match",
+        gt=0,
     )
     weight_decay: float = _field(
         0.0,
@@ -772,6 +780,13 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
         raise InputError(
             f"{origins['whiten_bias_epochs']} sets how long a whitening bias trains, but {origins['model_name']} is "
             f"'{config.model_name}', which has none; use --model fast_net, or --whiten_bias_epochs 0"
+        )
+    default_bias_lr_scale = FIELDS["bias_lr_scale"].default
+    if config.bias_lr_scale != default_bias_lr_scale and not hasattr(MODELS[config.model_name], "parameter_groups"):
+        raise InputError(
+            f"{origins['bias_lr_scale']} scales the biases' learning rate, but {origins['model_name']} is "
+            f"'{config.model_name}', which trains them at --learning_rate; use --model fast_net, or "
+            f"--bias_lr_scale {default_bias_lr_scale:g}"
         )
     if config.whiten_bias_epochs and not per_step:
         raise InputError(

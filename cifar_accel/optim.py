@@ -35,7 +35,7 @@ def build_optimizer(config: TrainConfig, model: nn.Module, learning_rate: float)
                 "weight_decay": config.weight_decay * g["weight_decay_scale"],
                 "whitening_bias": g.get("whitening_bias", False),
             }
-            for g in model.parameter_groups()
+            for g in model.parameter_groups(config.bias_lr_scale)
         ]
     else:
         groups = [{"params": list(model.parameters())}]
@@ -185,7 +185,8 @@ def build_scheduler(
             config.lr_start_factor,
             config.lr_end_factor,
         )
-        whitening = StepSchedule("linear", config.whiten_bias_epochs * steps_per_epoch, 0, 1.0, 0.0)
+        whitening_steps = max(1, round(config.whiten_bias_epochs * steps_per_epoch))
+        whitening = StepSchedule("linear", whitening_steps, 0, 1.0, 0.0)
         schedules = [
             whitening if config.whiten_bias_epochs and group.get("whitening_bias") else schedule
             for group in optimizer.param_groups

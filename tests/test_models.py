@@ -13,7 +13,7 @@ from torch import nn
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_split
 from cifar_accel.models import MODELS, build_model
-from cifar_accel.models.fast_net import BIAS_LR_SCALE, patches_of
+from cifar_accel.models.fast_net import patches_of
 from cifar_accel.optim import StepSchedule, build_optimizer
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform
 
@@ -58,11 +58,11 @@ def test_every_model_maps_a_batch_to_class_scores_and_fast_net_groups_its_biases
         logits = build_model(name, num_classes=7)(torch.randn(2, 3, 32, 32))
         assert logits.shape == (2, 7), name
     model = build_model("fast_net", num_classes=10)
-    config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3)
+    config = TrainConfig(optimizer="sgd", momentum=0.85, nesterov=True, weight_decay=1e-3, bias_lr_scale=85.5)
     optimizer = build_optimizer(config, model, learning_rate=0.5)
     others, biases, whitening = optimizer.param_groups  # the plain group first: its rate is the one logged
     for group in (biases, whitening):
-        assert (group["lr"], others["lr"]) == (0.5 * BIAS_LR_SCALE, 0.5)
+        assert (group["lr"], others["lr"]) == (0.5 * 85.5, 0.5)
         assert group["lr"] * group["weight_decay"] == pytest.approx(others["lr"] * others["weight_decay"])
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert {id(p) for p in biases["params"]} == {id(m.bias) for m in norms}

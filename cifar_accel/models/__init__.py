@@ -5,8 +5,9 @@ A model may define two optional hooks, found by name:
 - ``init_from_data(images)``: a data-dependent initialisation, run once on (normalised) training images before
   ``accelerator.prepare``; whatever it computes must live in the weights, so a checkpoint or
   ``model.safetensors`` alone reproduces it (for example, the whitening filters of ``FastNet``);
-- ``parameter_groups()``: the parameters in groups, each with an ``lr_scale`` and a ``weight_decay_scale``
-  applied to the optimizer's settings (for example, a larger learning rate for the BatchNorm biases), and
+- ``parameter_groups(bias_lr_scale)``: the parameters in groups, each with an ``lr_scale`` and a
+  ``weight_decay_scale`` applied to the optimizer's settings (for example, ``--bias_lr_scale`` times the
+  learning rate for the BatchNorm biases), and
   ``whitening_bias: True`` on the group that ``--whiten_bias_epochs`` schedules on its own.
 """
 

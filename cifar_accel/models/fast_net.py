@@ -11,7 +11,6 @@ WHITEN_WIDTH = 2 * 3 * WHITEN_KERNEL**2  # each whitening filter and its negativ
 WIDTHS = (64, 256, 256)
 BATCHNORM_MOMENTUM = 0.4  # torch's convention (airbench's 0.6 is the weight of the running statistics)
 LOGIT_SCALE = 1 / 9
-BIAS_LR_SCALE = 64.0  # the biases learn 64x faster, with the same decay per step
 
 
 def conv3x3(channels_in: int, channels_out: int) -> nn.Conv2d:
@@ -73,15 +72,15 @@ class FastNet(nn.Module):
         filters = (eigenvectors.T / (eigenvalues + eps).sqrt().unsqueeze(1)).view(-1, 3, WHITEN_KERNEL, WHITEN_KERNEL)
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
-    def parameter_groups(self) -> list[dict]:
+    def parameter_groups(self, bias_lr_scale: float) -> list[dict]:
         """Every trained weight but the biases, then the biases (BatchNorm's, and the whitening's in a group of
-        its own, marked ``whitening_bias`` for --whiten_bias_epochs) with ``BIAS_LR_SCALE`` times the learning
-        rate and the weight decay divided by it (the decay per step, learning rate x weight decay, stays the
-        same)."""
+        its own, marked ``whitening_bias`` for --whiten_bias_epochs) with ``bias_lr_scale`` (--bias_lr_scale)
+        times the learning rate and the weight decay divided by it (the decay per step, learning rate x weight
+        decay, stays the same)."""
         norm_biases = [m.bias for m in self.modules() if isinstance(m, nn.BatchNorm2d)]
         ids = {id(p) for p in (self.whiten.bias, *norm_biases)}
         others = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
-        bias_scales = {"lr_scale": BIAS_LR_SCALE, "weight_decay_scale": 1 / BIAS_LR_SCALE}
+        bias_scales = {"lr_scale": bias_lr_scale, "weight_decay_scale": 1 / bias_lr_scale}
         return [  # the plain group first: the learning rate that logs and records report is its
             {"params": others, "lr_scale": 1.0, "weight_decay_scale": 1.0},
             {"params": norm_biases, **bias_scales},
