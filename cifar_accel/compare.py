@@ -303,6 +303,12 @@ def train_seconds(results: RunResults) -> float:
     return sum(record.epoch_seconds for record in results.history)
 
 
+def epochs_trained(results: RunResults) -> float:
+    """The epochs a run trained, a last one cut short by --max_train_steps counted as its share of a whole one."""
+    most = max(record.train_images for record in results.history)
+    return sum(record.train_images for record in results.history) / most
+
+
 def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[str, Any]:
     """One precision's numbers over its seeds."""
     results = [r for _, r in runs.values()]
@@ -321,6 +327,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[
         "seeds": sorted(runs),
         "runs": {str(seed): str(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
         "epochs": epochs,
+        "epochs_trained": statistics.fmean(epochs_trained(r) for r in results),
         "seconds_per_epoch": over_seeds("seconds_per_epoch"),
         "train_images_per_second": over_seeds("train_images_per_second"),
         "peak_memory_mib": over_seeds("peak_memory_mib"),
@@ -515,8 +522,9 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
         machine = f"{machine_name(hw)}; threads per run: {report['threads_per_run']}"
         for s in report["precisions"]:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
+            epochs = round(s.get("epochs_trained", s["epochs"]), 2)  # reports written before it: whole epochs
             lines.append(
-                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {s['epochs']} | {len(s['seeds'])} "
+                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs:g} | {len(s['seeds'])} "
                 f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
                 f"| {100 * plain['mean']:.2f}% ({100 * plain['min']:.2f}) | {seconds['mean'] / 60:.0f} min, "
                 f"{report['jobs']} at a time | {machine} |"

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.compare import TrainingProcesses, add_ratios, markdown
+from cifar_accel.compare import TrainingProcesses, add_ratios, markdown, results_table
 from cifar_accel.compare import main as compare_cli
 from cifar_accel.errors import run_cli as run_in_process
 
@@ -67,6 +67,7 @@ def test_the_report_holds_the_runs_own_numbers(compared):
         assert summary["val_accuracy_per_epoch"] == pytest.approx(
             [statistics.fmean(r["history"][i]["val_accuracy"] for r in runs) for i in range(2)]
         )
+        assert summary["epochs_trained"] == 2
         assert summary["dtypes"]["conv_output"] == {"no": "float32", "bf16": "bfloat16"}[summary["precision"]]
         row = next(line for line in markdown.splitlines() if line.startswith(f"| {summary['precision']} |"))
         assert f"{summary['test_accuracy']['mean']:.4f} ± {summary['test_accuracy']['std']:.4f}" in row
@@ -194,6 +195,8 @@ def test_a_length_in_optimizer_steps_is_reported_and_keeps_its_runs_apart(tiny_d
     assert ", 5 optimizer steps, batch 32, " in report["config_summary"]
     assert report["precisions"][0]["per_seed"][0]["epochs"] == 2  # 135 training images: 4 steps of 32, then 1
     assert read_results(out / "no_seed0")["history"][1]["train_images"] == 32
+    assert report["precisions"][0]["epochs_trained"] == 1.25  # (128 + 32) / 128
+    assert "| [steps](docs/results/steps/report.md) | no | 1.25 | 1 | " in results_table({"steps": report})
     proc = run_cli(args, cli_env, module="cifar_accel.compare")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("reusing the finished run") == 1

@@ -282,3 +282,28 @@ def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_
     check_scaled_step(accelerator, optimizer, before, model, reference, init_scale, atol=1e-6)
     if init_scale != 2.0**40:
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("epochs", "steps_per_epoch", "steps"), [(0.19, 33, 6), (0.5, 25, 12), (0.01, 10, 1)])
+def test_a_fraction_of_an_epoch_trains_the_whitening_bias_for_whole_steps_at_its_own_rate(
+    epochs: float, steps_per_epoch: int, steps: int
+) -> None:
+    """--whiten_bias_epochs 0.19 with 33 steps an epoch (hiverge's length, in this loop's steps of 1536 images)
+    decays the whitening bias's rate over round(6.27) = 6 steps; a length under one step still takes one. Its
+    rate starts at --bias_lr_scale times the base rate, as the BatchNorm biases' does."""
+    config = TrainConfig(model_name="fast_net", optimizer="muon", num_train_epochs=8, lr_scheduler_type="linear",
+                         lr_start_factor=1.0, whiten_bias_epochs=epochs, bias_lr_scale=85.6)  # fmt: skip
+    optimizer = build_optimizer(config, build_model("fast_net", num_classes=10), learning_rate=1.0)
+    scheduler = build_scheduler(config, optimizer, steps_per_epoch=steps_per_epoch)
+    assert [schedule.total_steps for schedule in scheduler.lr_lambdas] == [8 * steps_per_epoch] * 2 + [steps] + [
+        8 * steps_per_epoch
+    ]
+    plain, norm_biases, whitening, _ = optimizer.param_groups
+    assert (plain["lr"], norm_biases["lr"], whitening["lr"]) == (1.0, 85.6, 85.6)
+    for _ in range(steps - 1):
+        optimizer.step()
+        scheduler.step()
+    assert whitening["lr"] == pytest.approx(85.6 / steps)
+    optimizer.step()
+    scheduler.step()
+    assert whitening["lr"] == 0.0
