@@ -153,7 +153,7 @@ Hugging Face Accelerate.
 | test accuracy without TTA | {results.test_accuracy_no_tta:.4f} |
 | tested | {tested}{averaged} |
 | test images | {results.test_samples} |
-| epochs | {results.epochs_completed}{epochs_note(config, results)} |
+| epochs | {round(results.epochs_trained, 2):g}{epochs_note(config, results)} |
 
 ## Training
 
@@ -194,10 +194,15 @@ or from the command line: `python -m cifar_accel.predict --model path/to/this/fo
 
 
 def epochs_note(config: TrainConfig, results: RunResults) -> str:
-    """What the epochs row adds: that validation stopped the run early, or that --max_train_steps set its length."""
+    """What the epochs row adds: that validation stopped the run early, or that --max_train_steps set its length
+    (and where it ended part way through an epoch, which one)."""
     if results.stopped_early:
         return " (stopped early)"
-    return f" ({config.max_train_steps} optimizer steps: --max_train_steps)" if config.max_train_steps else ""
+    if not config.max_train_steps:
+        return ""
+    cut = results.epochs_trained != results.epochs_completed
+    last = f"; epoch {results.epochs_completed} cut short" if cut else ""
+    return f" ({config.max_train_steps} optimizer steps: --max_train_steps{last})"
 
 
 def training_images(results: RunResults) -> str:

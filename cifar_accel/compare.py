@@ -303,12 +303,6 @@ def train_seconds(results: RunResults) -> float:
     return sum(record.epoch_seconds for record in results.history)
 
 
-def epochs_trained(results: RunResults) -> float:
-    """The epochs a run trained, a last one cut short by --max_train_steps counted as its share of a whole one."""
-    most = max(record.train_images for record in results.history)
-    return sum(record.train_images for record in results.history) / most
-
-
 def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[str, Any]:
     """One precision's numbers over its seeds."""
     results = [r for _, r in runs.values()]
@@ -327,7 +321,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[
         "seeds": sorted(runs),
         "runs": {str(seed): str(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
         "epochs": epochs,
-        "epochs_trained": statistics.fmean(epochs_trained(r) for r in results),
+        "epochs_trained": statistics.fmean(r.epochs_trained for r in results),
         "seconds_per_epoch": over_seeds("seconds_per_epoch"),
         "train_images_per_second": over_seeds("train_images_per_second"),
         "peak_memory_mib": over_seeds("peak_memory_mib"),

@@ -175,6 +175,12 @@ class RunResults:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def epochs_trained(self) -> float:
+        """The epochs trained, a last one cut short by --max_train_steps counted as its share of a whole one."""
+        most = max(record.train_images for record in self.history)
+        return sum(record.train_images for record in self.history) / most
+
 
 def read_results(path: Path) -> RunResults:
     """The results.json at ``path``, checked against ``RunResults``; a missing, damaged or foreign file is an

@@ -60,21 +60,24 @@ def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight):
     schedule = StepSchedule("linear", total_steps=20, warmup_steps=0, start_factor=0.0, end_factor=0.0)
     assert [e.value for e in logged] == pytest.approx([LR * schedule(step - 1) for step in range(1, 21)], rel=1e-6)
     assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9, 1.0), (18, 2.0), (20, 3.0)]
-    assert "| epochs | 3 (20 optimizer steps: --max_train_steps) |" in (straight / "README.md").read_text()
+    card = (straight / "README.md").read_text()  # 640 images in epochs of 288
+    assert "| epochs | 2.22 (20 optimizer steps: --max_train_steps; epoch 3 cut short) |" in card
     config = (straight / "config.yaml").read_text()
     assert "num_train_epochs: 1\n" in config and "max_train_steps: 20\n" in config  # as given
 
 
-def test_the_log_says_where_the_steps_end(tiny_dataset, train_here, tmp_path):
-    for steps, where, epochs in (
-        ("9", "1 epochs of 9 optimizer steps\n", 1),
-        ("11", "1 epochs of 9 optimizer steps, then 2 of epoch 2\n", 2),
-    ):
+def test_the_log_and_the_card_say_where_the_steps_end(tiny_dataset, train_here, tmp_path):
+    for steps, where, epochs, row in (
+        ("9", "1 epochs of 9 optimizer steps\n", 1, "| epochs | 1 (9 optimizer steps: --max_train_steps) |"),
+        ("11", "1 epochs of 9 optimizer steps, then 2 of epoch 2\n", 2,
+         "| epochs | 1.22 (11 optimizer steps: --max_train_steps; epoch 2 cut short) |"),  # 288 + 64 images
+    ):  # fmt: skip
         out = tmp_path / f"run{steps}"
         proc = train_here(run_args(tiny_dataset, out, "--report_to", "none", length=("--max_train_steps", steps)))
         assert proc.returncode == 0, proc.stderr
         assert f"--max_train_steps {steps}: {where}" in proc.stdout
         assert read_results(out)["epochs_completed"] == epochs
+        assert row in (out / "README.md").read_text()
     proc = train_here(
         run_args(tiny_dataset, tmp_path / "run2", "--profile_steps", "2", length=("--max_train_steps", "3"))
     )
