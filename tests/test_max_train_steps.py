@@ -14,8 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.errors import run_cli as run_main
 from cifar_accel.optim import StepSchedule
 
+import summarize_runs
 from conftest import assert_same_run, crashed_copy, read_results, tiny_args, train_in_process
 
 LR = 1e-3  # the default --learning_rate
@@ -40,7 +42,7 @@ def straight(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
-def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight):
+def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight, capsys):
     results = read_results(straight)
     assert results["epochs_completed"] == 3  # --num_train_epochs 1 is overridden
     assert [r["train_images"] for r in results["history"]] == [288, 288, 64]
@@ -62,6 +64,8 @@ def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight):
     assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(9, 1.0), (18, 2.0), (20, 3.0)]
     card = (straight / "README.md").read_text()  # 640 images in epochs of 288
     assert "| epochs | 2.22 (20 optimizer steps: --max_train_steps; epoch 3 cut short) |" in card
+    assert run_main(summarize_runs.main, [str(straight)]) == 0
+    assert "| run | no | 2.22 | " in capsys.readouterr().out
     config = (straight / "config.yaml").read_text()
     assert "num_train_epochs: 1\n" in config and "max_train_steps: 20\n" in config  # as given
 
