@@ -72,7 +72,7 @@ from cifar_accel.processes import require_one_process
 from cifar_accel.state import RunResults, read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, stop_signals
 from cifar_accel.telemetry import machine_name
-from cifar_accel.trackers import tensorboard_dir
+from cifar_accel.trackers import requested_trackers, tensorboard_dir
 
 logger = logging.getLogger("cifar_accel.compare")
 
@@ -126,6 +126,17 @@ def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
     for flag, values in (("--precisions", args.precisions), ("--seeds", args.seeds)):
         if problem := listed_twice(flag, values):
             raise InputError(problem)
+
+
+def check_loss_scale_logged(precisions: list[str], report_to: str) -> None:
+    """fp16's GradScaler: the report plots its loss scale from each run's TensorBoard events, so refuse, before any
+    run, a --report_to without TensorBoard."""
+    trackers = requested_trackers(report_to)
+    if "fp16" in precisions and trackers != "all" and "tensorboard" not in (trackers or []):
+        raise InputError(
+            f"--report_to {report_to} leaves out TensorBoard, whose events give the report the fp16 runs' loss "
+            "scale; add tensorboard to it (e.g. --report_to tensorboard), or leave fp16 out of --precisions"
+        )
 
 
 def listed_twice(flag: str, values: list) -> str | None:
@@ -260,8 +271,11 @@ def train_run(
     return results
 
 
-def loss_scale_trace(run_dir: Path) -> list[tuple[int, float]]:
-    """(optimizer step, loss scale) as logged to TensorBoard; empty without a GradScaler."""
+def loss_scale_trace(run_dir: Path, results: RunResults) -> list[tuple[int, float]]:
+    """(optimizer step, loss scale) as logged to TensorBoard; empty without a GradScaler, whose runs log none
+    (and need not have logged to TensorBoard at all)."""
+    if not results.precision_report["grad_scaler"]:
+        return []
     project_name = TrainConfig(**read_config_file(run_dir / CONFIG_FILE)).project_name
     events = EventAccumulator(str(tensorboard_dir(run_dir, project_name)), size_guidance={"scalars": 0})
     events.Reload()
@@ -346,7 +360,7 @@ def summarize(precision: str, runs: dict[int, tuple[Path, RunResults]]) -> dict[
         "train_accuracy_per_epoch": per_epoch("train_accuracy"),
         "train_loss_per_epoch": per_epoch("train_loss"),
         "epoch_seconds_per_epoch": per_epoch("epoch_seconds"),
-        "loss_scale_trace": {str(seed): loss_scale_trace(run_dir) for seed, (run_dir, _) in sorted(runs.items())},
+        "loss_scale_trace": {str(seed): loss_scale_trace(run_dir, r) for seed, (run_dir, r) in sorted(runs.items())},
         "dtypes": results[0].precision_report["dtypes"],
         "versions": results[0].versions,
         "device": results[0].device,
@@ -549,6 +563,7 @@ def compare(
     for precision, reason in skipped.items():
         logger.info(f"skipping {precision}: {reason}")
     precisions = [p for p in args.precisions if p not in skipped]
+    check_loss_scale_logged(precisions, config.report_to)
     if not precisions:
         raise InputError("none of the requested precisions can run here; add --precisions no")
 

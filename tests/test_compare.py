@@ -20,8 +20,9 @@ import torch
 from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.compare import TrainingProcesses, add_ratios, markdown, results_table
+from cifar_accel.compare import TrainingProcesses, add_ratios, check_loss_scale_logged, markdown, results_table
 from cifar_accel.compare import main as compare_cli
+from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_in_process
 
 from conftest import read_results, run_cli, tiny_args, wait_until
@@ -202,6 +203,31 @@ def test_a_length_in_optimizer_steps_is_reported_and_keeps_its_runs_apart(tiny_d
     assert proc.stdout.count("reusing the finished run") == 1
     assert run_in_process(compare_cli, [*args, "--max_train_steps", "6"]) == 2
     assert "was made with other settings (max_train_steps 5 (not 6))" in capsys.readouterr().err
+
+
+def test_runs_that_log_to_no_tracker_are_reported(tiny_dataset, cli_env, tmp_path):
+    """--report_to none: the runs write no TensorBoard events, and a run without a GradScaler has no loss scale to
+    read from them."""
+    out = tmp_path / "report"
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "150", "--precisions", "no", "--seeds", "0",
+                     "--num_train_epochs", "1", "--report_to", "none")  # fmt: skip
+    proc = run_cli(args, cli_env, module="cifar_accel.compare")
+    assert proc.returncode == 0, proc.stderr
+    assert not list((out / "no_seed0").rglob("events.out.tfevents*"))
+    assert json.loads((out / "report.json").read_text())["precisions"][0]["loss_scale_trace"] == {"0": []}
+
+
+@pytest.mark.parametrize(
+    ("precisions", "report_to", "refused"),
+    [(["no", "fp16"], "none", True), (["fp16"], "mlflow", True), (["fp16"], "mlflow,tensorboard", False),
+     (["fp16"], "all", False), (["no", "bf16"], "none", False)],
+)  # fmt: skip
+def test_fp16_runs_without_tensorboard_are_refused_before_they_start(precisions, report_to, refused):
+    if not refused:
+        check_loss_scale_logged(precisions, report_to)
+        return
+    with pytest.raises(InputError, match=f"--report_to {report_to} leaves out TensorBoard, whose events give"):
+        check_loss_scale_logged(precisions, report_to)
 
 
 def test_runs_made_with_other_settings_are_refused_with_the_fix_for_compare(compared, tiny_dataset, tmp_path, capsys):
