@@ -24,7 +24,7 @@ from cifar_accel.outputs import (
     write_atomic,
 )
 from cifar_accel.plots import pyplot
-from cifar_accel.state import EpochRecord, RunResults
+from cifar_accel.state import EpochRecord, RunResults, epochs_text
 from cifar_accel.trackers import run_name
 from cifar_accel.transforms import CIFAR10_NORMALIZATION
 
@@ -153,7 +153,7 @@ Hugging Face Accelerate.
 | test accuracy without TTA | {results.test_accuracy_no_tta:.4f} |
 | tested | {tested}{averaged} |
 | test images | {results.test_samples} |
-| epochs | {round(results.epochs_trained, 2):g}{epochs_note(config, results)} |
+| epochs | {epochs_text(results.epochs_trained)}{epochs_note(config, results)} |
 
 ## Training
 

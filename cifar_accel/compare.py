@@ -69,7 +69,7 @@ from cifar_accel.outputs import (
 from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import unsupported
 from cifar_accel.processes import require_one_process
-from cifar_accel.state import RunResults, read_results
+from cifar_accel.state import RunResults, epochs_text, read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, stop_signals
 from cifar_accel.telemetry import machine_name
 from cifar_accel.trackers import requested_trackers, tensorboard_dir
@@ -530,9 +530,9 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
         machine = f"{machine_name(hw)}; threads per run: {report['threads_per_run']}"
         for s in report["precisions"]:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
-            epochs = round(s.get("epochs_trained", s["epochs"]), 2)  # reports written before it: whole epochs
+            epochs = epochs_text(s.get("epochs_trained", s["epochs"]))  # reports written before it: whole epochs
             lines.append(
-                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs:g} | {len(s['seeds'])} "
+                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs} | {len(s['seeds'])} "
                 f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
                 f"| {100 * plain['mean']:.2f}% ({100 * plain['min']:.2f}) | {seconds['mean'] / 60:.0f} min, "
                 f"{report['jobs']} at a time | {machine} |"

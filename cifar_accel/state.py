@@ -182,6 +182,11 @@ class RunResults:
         return sum(record.train_images for record in self.history) / most
 
 
+def epochs_text(epochs: float) -> str:
+    """Epochs as the card and the tables show them: whole ones as a whole number, a fraction to two decimals."""
+    return f"{round(epochs, 2):g}"
+
+
 def read_results(path: Path) -> RunResults:
     """The results.json at ``path``, checked against ``RunResults``; a missing, damaged or foreign file is an
     InputError that says so."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cifar_accel.errors import run_cli
-from cifar_accel.state import read_results
+from cifar_accel.state import epochs_text, read_results
 
 
 def main(argv: Sequence[str]) -> None:
@@ -30,7 +30,7 @@ def main(argv: Sequence[str]) -> None:
                 if results.best_val_accuracy is not None else "no validation")  # fmt: skip
         minutes = sum(record.epoch_seconds for record in results.history) / 60
         print(
-            f"| {Path(run_dir).name} | {results.mixed_precision} | {round(results.epochs_trained, 2):g}{stopped} | "
+            f"| {Path(run_dir).name} | {results.mixed_precision} | {epochs_text(results.epochs_trained)}{stopped} | "
             f"{results.seconds_per_epoch:.1f} | {results.train_images_per_second:.0f} | {minutes:.1f} | {best} | "
             f"{results.test_accuracy:.4f} (TTA {results.tta}) | {results.test_accuracy_no_tta:.4f} |"
         )
