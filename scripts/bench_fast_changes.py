@@ -9,6 +9,7 @@ The variants (--variants):
 - ``preset``: the fast preset as shipped (8 accumulated batches of 250, 3 float32 Newton-Schulz iterations);
 - ``batch2000``: each step one batch of 2000, as airbench94_muon computes it;
 - ``batch500``: each step 4 accumulated batches of 500 (the preset's batches until 8 of 250 proved faster);
+- ``batch125``: each step 16 accumulated batches of 125;
 - ``ns_bf16``: Muon's Newton-Schulz iterations in bfloat16, as airbench94_muon computes them (fast only where the
   CPU computes bfloat16 natively);
 - ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
@@ -45,6 +46,7 @@ VARIANTS = {  # name: (config overrides, what replaces fast_net's GELU, or None)
     "preset": ({}, None),
     "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, None),
     "batch500": ({"per_device_train_batch_size": 500, "gradient_accumulation_steps": 4}, None),
+    "batch125": ({"per_device_train_batch_size": 125, "gradient_accumulation_steps": 16}, None),
     "ns_bf16": ({"muon_ns_dtype": "bfloat16"}, None),
     "compile": ({"torch_compile": True}, None),
     "silu": ({}, nn.SiLU),
