@@ -15,6 +15,8 @@ The variants (--variants):
 - ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
 - ``silu``: fast_net with SiLU in place of GELU (hiverge/cifar10-speedrun);
 - ``gelu_tanh``: fast_net with GELU's tanh approximation in place of the exact GELU;
+- ``onednn_grads``: every convolution's weight gradient from oneDNN's backward-weights kernel (the preset computes
+  those of maps of up to 7x7 itself in bf16 on a CPU with AMX: see ``fast_net.Conv3x3``);
 
 and the optimizer step alone (on the gradients of one real step), as the preset takes it and as the record's
 later changes would: every filter bank's Newton-Schulz batched in one padded 3-D tensor, and the renormalisation
@@ -39,18 +41,40 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
+from cifar_accel.models.fast_net import Conv3x3
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
 
-VARIANTS = {  # name: (config overrides, what replaces fast_net's GELU, or None)
+
+def replace_gelu(activation: Callable[[], nn.Module]) -> Callable[[nn.Module], None]:
+    """A change of fast_net: every GELU replaced by ``activation()``."""
+
+    def change(model: nn.Module) -> None:
+        for parent in model.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, nn.GELU):
+                    setattr(parent, name, activation())
+
+    return change
+
+
+def onednn_weight_grads(model: nn.Module) -> None:
+    """A change of fast_net: every convolution's weight gradient from oneDNN's backward-weights kernel."""
+    for module in model.modules():
+        if isinstance(module, Conv3x3):
+            module.small_map_grads = False
+
+
+VARIANTS = {  # name: (config overrides, a change of fast_net's modules, or None)
     "preset": ({}, None),
     "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, None),
     "batch500": ({"per_device_train_batch_size": 500, "gradient_accumulation_steps": 4}, None),
     "batch125": ({"per_device_train_batch_size": 125, "gradient_accumulation_steps": 16}, None),
     "ns_bf16": ({"muon_ns_dtype": "bfloat16"}, None),
     "compile": ({"torch_compile": True}, None),
-    "silu": ({}, nn.SiLU),
-    "gelu_tanh": ({}, lambda: nn.GELU(approximate="tanh")),
+    "silu": ({}, replace_gelu(nn.SiLU)),
+    "gelu_tanh": ({}, replace_gelu(lambda: nn.GELU(approximate="tanh"))),
+    "onednn_grads": ({}, onednn_weight_grads),
 }
 STEP_IMAGES = 2000
 
@@ -61,19 +85,16 @@ def fast_config(**overrides) -> TrainConfig:
 
 def build(
     config: TrainConfig,
-    activation: Callable[[], nn.Module] | None,
+    change: Callable[[nn.Module], None] | None,
     accelerator: Accelerator,
     batch: tuple[torch.Tensor, torch.Tensor],
 ):
-    """The preset's model (its GELUs replaced by ``activation()`` if given), optimizer and loss, prepared by an
-    Accelerator, as training builds them, and ``config``."""
+    """The preset's model (with ``change`` made to it if given), optimizer and loss, prepared by an Accelerator, as
+    training builds them, and ``config``."""
     set_seed(0)
     model = build_model("fast_net", num_classes=10)
-    if activation is not None:
-        for parent in model.modules():
-            for name, child in parent.named_children():
-                if isinstance(child, nn.GELU):
-                    setattr(parent, name, activation())
+    if change is not None:
+        change(model)
     model.init_from_data(batch[0][:500])
     model = model.to(memory_format=torch.channels_last)
     if config.torch_compile:
@@ -157,8 +178,8 @@ def main() -> None:
     accelerator = Accelerator(mixed_precision=args.precision, cpu=True)
     built = {}
     for name in args.variants:
-        overrides, activation = VARIANTS[name]
-        built[name] = build(fast_config(**overrides), activation, accelerator, batch)
+        overrides, change = VARIANTS[name]
+        built[name] = build(fast_config(**overrides), change, accelerator, batch)
         start = time.perf_counter()
         for _ in range(args.warmup):
             optimizer_step(*built[name], *batch)
