@@ -259,10 +259,13 @@ def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: Trai
 
 def build_run_model(config: TrainConfig, data: CifarData, eval_transform: BatchTransform) -> torch.nn.Module:
     """The model by name, initialised from the training images where it has a data-dependent initialisation,
-    in the run's memory layout, compiled if asked."""
+    with its convolutions' weight gradients as --conv_weight_grads says where it has a choice, in the run's
+    memory layout, compiled if asked."""
     model = build_model(config.model_name, num_classes=len(data.class_names))
     if hasattr(model, "init_from_data"):  # data-dependent initialisation; the result lives in the weights
         model.init_from_data(eval_transform(data.train.images[:DATA_INIT_IMAGES]))
+    if hasattr(model, "set_conv_weight_grads"):
+        model.set_conv_weight_grads(config.conv_weight_grads)
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if config.torch_compile:

@@ -15,8 +15,8 @@ The variants (--variants):
 - ``compile``: the model compiled with torch.compile (--torch_compile; the compile itself is in the warm-up);
 - ``silu``: fast_net with SiLU in place of GELU (hiverge/cifar10-speedrun);
 - ``gelu_tanh``: fast_net with GELU's tanh approximation in place of the exact GELU;
-- ``onednn_grads``: every convolution's weight gradient from oneDNN's backward-weights kernel (the preset computes
-  those of maps of up to 7x7 itself in bf16 on a CPU with AMX: see ``fast_net.Conv3x3``);
+- ``kernel_grads``: every convolution's weight gradient from torch's kernel (--conv_weight_grads kernel; the preset
+  computes those of maps of up to 7x7 as matrix products in bf16 on a CPU with AMX);
 
 and the optimizer step alone (on the gradients of one real step), as the preset takes it and as the record's
 later changes would: every filter bank's Newton-Schulz batched in one padded 3-D tensor, and the renormalisation
@@ -41,7 +41,6 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
 from cifar_accel.models import build_model
-from cifar_accel.models.fast_net import Conv3x3
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
 
@@ -58,13 +57,6 @@ def replace_gelu(activation: Callable[[], nn.Module]) -> Callable[[nn.Module], N
     return change
 
 
-def onednn_weight_grads(model: nn.Module) -> None:
-    """A change of fast_net: every convolution's weight gradient from oneDNN's backward-weights kernel."""
-    for module in model.modules():
-        if isinstance(module, Conv3x3):
-            module.small_map_grads = False
-
-
 VARIANTS = {  # name: (config overrides, a change of fast_net's modules, or None)
     "preset": ({}, None),
     "batch2000": ({"per_device_train_batch_size": 2000, "gradient_accumulation_steps": 1}, None),
@@ -74,7 +66,7 @@ VARIANTS = {  # name: (config overrides, a change of fast_net's modules, or None
     "compile": ({"torch_compile": True}, None),
     "silu": ({}, replace_gelu(nn.SiLU)),
     "gelu_tanh": ({}, replace_gelu(lambda: nn.GELU(approximate="tanh"))),
-    "onednn_grads": ({}, onednn_weight_grads),
+    "kernel_grads": ({}, lambda model: model.set_conv_weight_grads("kernel")),
 }
 STEP_IMAGES = 2000
 

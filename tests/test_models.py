@@ -9,12 +9,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.nn.grad import conv2d_weight
 
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import load_split
 from cifar_accel.models import MODELS, build_model
-from cifar_accel.models.fast_net import patches_of
+from cifar_accel.models.fast_net import Conv3x3, patches_of, small_map_weight_grad
 from cifar_accel.optim import StepSchedule, build_optimizer
+from cifar_accel.precision import cpu_flags
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform
 
 from conftest import CIFAR10_JPEG, assert_same_run, crashed_copy, read_results, tiny_args
@@ -81,6 +83,72 @@ def test_each_model_learns_above_chance_on_a_small_slice(tiny_dataset, train_her
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
     assert results["test_accuracy"] > 0.4, results["history"]  # chance is 0.1; the classes differ in colour
+
+
+@pytest.mark.parametrize("size", [(3, 3), (2, 5), (4, 6), (7, 7), (15, 15)])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_the_weight_gradient_as_matrix_products_is_the_kernels_to_float64_rounding(size, layout):
+    """The same sums in another order, on maps that take each way (one forward convolution up to 3 wide, shifted
+    products above), in either memory layout: checked in float64, where only rounding separates them."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, *size, dtype=torch.float64).contiguous(memory_format=layout)
+    grad_out = torch.randn(5, 4, *size, dtype=torch.float64).contiguous(memory_format=layout)
+    expected = conv2d_weight(x, (4, 6, 3, 3), grad_out, padding=1)
+    computed = small_map_weight_grad(x, grad_out)
+    assert computed.shape == expected.shape
+    assert (computed - expected).abs().max() <= 1e-12 * expected.abs().max()
+
+
+def backward_name(conv: nn.Module, size: int, **autocast) -> str | None:
+    """The autograd node of ``conv``'s output for a batch of ``size`` x ``size`` maps, under ``autocast``."""
+    with torch.autocast("cpu", **autocast):
+        grad_fn = conv(torch.randn(2, conv.in_channels, size, size)).grad_fn
+    return grad_fn and type(grad_fn).__name__
+
+
+def test_conv3x3_takes_matmul_weight_grads_only_in_training_in_bf16_on_maps_up_to_7x7():
+    conv = Conv3x3(4, 4)
+    conv.matmul_weight_grads = True
+    assert backward_name(conv, 7, dtype=torch.bfloat16) == backward_name(conv, 3, dtype=torch.bfloat16)
+    assert backward_name(conv, 7, dtype=torch.bfloat16) == "SmallMapConvBackward"
+    assert backward_name(conv, 8, dtype=torch.bfloat16) == "ConvolutionBackward0"
+    assert backward_name(conv, 7, dtype=torch.float16) == "ConvolutionBackward0"
+    assert backward_name(conv, 7, enabled=False) == "ConvolutionBackward0"
+    with torch.no_grad():
+        assert backward_name(conv, 7, dtype=torch.bfloat16) is None
+    conv.matmul_weight_grads = False
+    assert backward_name(conv, 7, dtype=torch.bfloat16) == "ConvolutionBackward0"
+
+
+@pytest.mark.parametrize(("way", "matmul"), [("kernel", False), ("matmul", True), ("auto", "amx_bf16" in cpu_flags())])
+def test_fast_net_sets_every_conv3x3_as_conv_weight_grads_says(way, matmul):
+    model = build_model("fast_net", num_classes=10)
+    model.set_conv_weight_grads(way)
+    convs = [m for m in model.modules() if isinstance(m, Conv3x3)]
+    assert len(convs) == 6 and all(conv.matmul_weight_grads == matmul for conv in convs)
+
+
+@pytest.mark.parametrize("size", [3, 7])
+def test_under_bf16_autocast_matmul_weight_grads_change_only_the_weight_gradients_order_of_sums(size):
+    """The output and the input gradient come from the same kernels as without; the weight gradient is the same
+    bf16 sums as the kernel's, each within bf16 rounding of the exact sum of the bf16 inputs' products."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, size, size).contiguous(memory_format=torch.channels_last)
+    grad_out = torch.randn(8, 32, size, size).to(torch.bfloat16)
+    exact = conv2d_weight(x.to(torch.bfloat16).double(), (32, 16, 3, 3), grad_out.double(), padding=1)
+    conv, runs = Conv3x3(16, 32), []
+    for matmul in (False, True):
+        conv.matmul_weight_grads, conv.weight.grad = matmul, None
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = conv(inputs)
+        out.backward(grad_out)
+        runs.append((out, inputs.grad, conv.weight.grad))
+    (out, grad_x, grad_w), (matmul_out, matmul_grad_x, matmul_grad_w) = runs
+    assert torch.equal(matmul_out, out) and torch.equal(matmul_grad_x, grad_x)
+    assert matmul_grad_w.dtype == grad_w.dtype == torch.float32
+    for computed in (grad_w, matmul_grad_w):
+        assert (computed.double() - exact).norm() <= 1e-2 * exact.norm()
 
 
 def test_the_step_schedule_is_a_pure_function_of_the_step():

@@ -132,6 +132,26 @@ def test_a_run_on_all_the_training_data_writes_what_it_promises_and_resumes_bitw
     assert_same_run(straight, resumed)
 
 
+def test_the_fast_preset_in_bf16_with_matmul_weight_grads_resumes_bitwise_and_trains_other_bits_than_the_kernel(
+    tiny_dataset, train_here, tmp_path
+):
+    def args(out, way):
+        return fast_args(tiny_dataset, out, "--mixed_precision", "bf16", "--conv_weight_grads", way)
+
+    runs = {way: tmp_path / way for way in ("matmul", "kernel")}
+    for way, out in runs.items():
+        proc = train_here(args(out, way))
+        assert proc.returncode == 0, proc.stderr
+        assert yaml.safe_load((out / "config.yaml").read_text())["conv_weight_grads"] == way
+    matmul, kernel = (load_file(out / "model.safetensors") for out in runs.values())
+    assert matmul.keys() == kernel.keys() and not all(torch.equal(matmul[k], kernel[k]) for k in matmul)
+
+    resumed = crashed_copy(runs["matmul"], tmp_path / "resumed", last_step=24)  # 4 batches into epoch 3
+    proc = train_here([*args(resumed, "matmul"), "--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(runs["matmul"], resumed)
+
+
 def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
     for preset in ("default", "fast", "resnet18"):
         assert (PRESETS_DIR / f"{preset}.yaml").is_file()

@@ -8,7 +8,8 @@ A model may define two optional hooks, found by name:
 - ``parameter_groups(bias_lr_scale)``: the parameters in groups, each with an ``lr_scale`` and a
   ``weight_decay_scale`` applied to the optimizer's settings (for example, ``--bias_lr_scale`` times the
   learning rate for the BatchNorm biases), and
-  ``whitening_bias: True`` on the group that ``--whiten_bias_epochs`` schedules on its own.
+  ``whitening_bias: True`` on the group that ``--whiten_bias_epochs`` schedules on its own;
+- ``set_conv_weight_grads(way)``: how its convolutions' weight gradients are computed (``--conv_weight_grads``).
 """
 
 from __future__ import annotations

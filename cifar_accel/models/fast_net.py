@@ -21,20 +21,21 @@ class Conv3x3(nn.Conv2d):
     """A 3x3 convolution ("same" padding, no bias) initialised near the identity: its first ``channels_in`` filters
     are Dirac deltas.
 
-    In training under bf16 autocast on a CPU with AMX, its weight gradient on feature maps of up to 7x7 comes from
-    ``small_map_weight_grad`` (the same sums in another order): oneDNN's backward-weights kernel for AMX runs such
-    maps at a fifth to a half of the speed of its forward kernel. Set ``small_map_grads`` to choose otherwise.
+    With ``matmul_weight_grads`` (by default on a CPU with AMX; --conv_weight_grads), in training under bf16
+    autocast on a CPU, its weight gradient on feature maps of up to 7x7 comes from ``small_map_weight_grad`` (the
+    same sums in another order): oneDNN's backward-weights kernel for AMX runs fast_net's 7x7 and 3x3 maps at
+    about a quarter and a sixth of the speed of its forward kernel.
     """
 
     def __init__(self, channels_in: int, channels_out: int) -> None:
         super().__init__(channels_in, channels_out, kernel_size=3, padding="same", bias=False)
         with torch.no_grad():
             nn.init.dirac_(self.weight[:channels_in])
-        self.small_map_grads = "amx_bf16" in cpu_flags()
+        self.matmul_weight_grads = "amx_bf16" in cpu_flags()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (
-            self.small_map_grads
+            self.matmul_weight_grads
             and x.shape[-1] <= SMALL_MAP
             and torch.is_grad_enabled()
             and x.device.type == "cpu"
@@ -136,6 +137,14 @@ class FastNet(nn.Module):
         eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
         filters = (eigenvectors.T / (eigenvalues + eps).sqrt().unsqueeze(1)).view(-1, 3, WHITEN_KERNEL, WHITEN_KERNEL)
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
+
+    def set_conv_weight_grads(self, way: str) -> None:
+        """--conv_weight_grads: the 3x3 convolutions' weight gradients on small maps in bf16 on a CPU from torch's
+        kernel ('kernel') or as matrix products ('matmul'); 'auto' is matmul on a CPU with AMX."""
+        matmul = way == "matmul" or (way == "auto" and "amx_bf16" in cpu_flags())
+        for module in self.modules():
+            if isinstance(module, Conv3x3):
+                module.matmul_weight_grads = matmul
 
     def parameter_groups(self, bias_lr_scale: float) -> list[dict]:
         """Every trained weight but the biases, then the biases (BatchNorm's, and the whitening's in a group of
