@@ -226,16 +226,16 @@ class TrainingProcesses:
 
 def train_run(
     processes: TrainingProcesses, train_args: list[str], precision: str, seed: int, run_dir: Path, threads: int | None
-) -> RunResults | None:
-    """The results of one finished run: reused when present, else trained (or resumed) in a subprocess; with
-    ``threads``, on that many threads and with its output in ``<run_dir>.log``. None where a stop request stopped
-    the run or came before it started."""
+) -> tuple[RunResults | None, bool]:
+    """The results of one finished run, and whether this comparison trained it: reused when present, else trained
+    (or resumed) in a subprocess; with ``threads``, on that many threads and with its output in ``<run_dir>.log``.
+    None where a stop request stopped the run or came before it started."""
     argv = [*train_args, "--mixed_precision", precision, "--seed", str(seed), "--output_dir", str(run_dir)]
     config, _ = load_config(argv)
     results = finished_results(run_dir)
     if results is not None and not config_differences(run_dir, config):
         logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
-        return results
+        return results, False
     if complete_checkpoints(run_dir):
         if differences := config_differences(run_dir, config, resume_refuses=True):
             raise InputError(
@@ -245,7 +245,7 @@ def train_run(
             )
         argv += ["--resume_from_checkpoint", "latest"]  # finishes or extends it
     if processes.signal_number:  # the comparison is stopping
-        return None
+        return None, True
     command = [sys.executable, "-m", "cifar_accel.train", *argv]
     if threads is None:
         logger.info(f"{run_dir.name}: {shlex.join(command)}")
@@ -257,7 +257,7 @@ def train_run(
     lines = proc.stderr.strip().splitlines() if proc else []
     if proc is None or (processes.signal_number and proc.returncode > 128):  # stopped as asked, with its own line
         logger.info(f"{run_dir.name}: " + (one_line(lines[-1]) if lines else "not started"))
-        return None
+        return None, True
     if threads is not None:
         ended = "finished" if proc.returncode == 0 else f"ended with exit code {proc.returncode}"
         logger.info(f"{run_dir.name}: {ended} (its output is in {log.name})")
@@ -268,7 +268,7 @@ def train_run(
     results = finished_results(run_dir)
     if results is None:
         raise RunFault(f"the {precision} run (seed {seed}) in {run_dir} finished but its results.json is unreadable")
-    return results
+    return results, True
 
 
 def loss_scale_trace(run_dir: Path, results: RunResults) -> list[tuple[int, float]]:
@@ -485,8 +485,7 @@ def markdown(report: dict[str, Any]) -> str:
         + f"); device `{report['precisions'][0]['device']}`",
         f"- Software: {versions}",
         f"- Config: {report['config_summary']}; seeds {', '.join(map(str, report['seeds']))}",
-        f"- Threads per run, as the runs recorded: {report['threads_per_run']}; this comparison trains "
-        f"{report['jobs']} run(s) at a time",
+        f"- Threads per run, as the runs recorded: {report['threads_per_run']}; {training_text(report)}",
     ]
     others = "; ".join(f"{machine} ({names})" for machine, names in report.get("other_machines", {}).items())
     if others:
@@ -517,6 +516,24 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def training_text(report: dict[str, Any]) -> str:
+    """How the comparison came by its runs: trained them, so many at a time, or reused runs trained before it (whose
+    records do not say how many trained beside them). A report written before ``trained`` was recorded is read as
+    having trained them all."""
+    runs = sum(len(s["seeds"]) for s in report["precisions"])
+    trained = report.get("trained", runs)
+    if trained == runs:
+        return f"this comparison trains {report['jobs']} run(s) at a time"
+    if trained:
+        return (
+            f"this comparison trained {trained} of its {runs} runs, {report['jobs']} at a time, and reused the others"
+        )
+    return (
+        "this comparison trained none of its runs: it reused runs trained before it, which do not record how many "
+        "trained at a time"
+    )
+
+
 def results_table(reports: dict[str, dict[str, Any]]) -> str:
     """The README's results table: one row per precision of each named ``report.json``, its seeds' test accuracy
     (mean ± std, min and max, with TTA and without), training time per run and the machine it ran on."""
@@ -531,11 +548,12 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
         for s in report["precisions"]:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
             epochs = epochs_text(s.get("epochs_trained", s["epochs"]))  # reports written before it: whole epochs
+            at_a_time = f"{report['jobs']} at a time" if report.get("trained", 1) else "trained before the comparison"
             lines.append(
                 f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs} | {len(s['seeds'])} "
                 f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
                 f"| {100 * plain['mean']:.2f}% ({100 * plain['min']:.2f}) | {seconds['mean'] / 60:.0f} min, "
-                f"{report['jobs']} at a time | {machine} |"
+                f"{at_a_time} | {machine} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -582,7 +600,8 @@ def compare(
                 logger.info("a run failed: stopping the others at a checkpoint; the same command resumes them")
             pool.shutdown(cancel_futures=True)  # the runs not started yet
             raise failed
-        finished = {key: future.result() for key, future in futures.items()}
+        outcomes = {key: future.result() for key, future in futures.items()}
+    finished = {key: results for key, (results, _) in outcomes.items()}
     if processes.signal_number:
         stopped = [folders[key].name for key, results in finished.items() if results is None]
         raise Stopped(
@@ -603,6 +622,7 @@ def compare(
         f"{config.learning_rate:g}, {config.model_name}",
         "seeds": args.seeds,
         "jobs": args.jobs,
+        "trained": sum(trained for _, trained in outcomes.values()),
         "skipped": skipped,
         "precisions": summaries,
     }

@@ -168,8 +168,8 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
     expected = f"{first_threads} (no seed 42, bf16 seed 42, bf16 seed 7); {threads} (no seed 7)"
     assert json.loads((out / "report.json").read_text())["threads_per_run"] == expected
     assert (
-        f"- Threads per run, as the runs recorded: {expected}; this comparison trains 1 run(s) at a time"
-        in (out / "report.md").read_text()
+        f"- Threads per run, as the runs recorded: {expected}; this comparison trained 1 of its 4 runs, 1 at a time, "
+        "and reused the others" in (out / "report.md").read_text()
     )
 
     results = json.loads(finished.read_text())
@@ -180,10 +180,12 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
     report = json.loads((out / "report.json").read_text())
     assert report["hardware"]["cpu"] == read_results(out / "no_seed42")["hardware"]["cpu"] != "Another CPU"
     assert list(report["other_machines"].values()) == ["bf16 seed 42"]
-    assert (
-        "- Some runs trained on other machines, so their times do not compare with the rest: Another CPU ("
-        in (out / "report.md").read_text()
-    )
+    text = (out / "report.md").read_text()
+    assert "- Some runs trained on other machines, so their times do not compare with the rest: Another CPU (" in text
+    # Every run reused: the comparison does not claim how many trained at a time.
+    assert report["trained"] == 0 and "this comparison trained none of its runs: it reused runs" in text
+    rows = results_table({"reused": report}).splitlines()[2:]
+    assert len(rows) == 2 and all(" min, trained before the comparison | " in row for row in rows)
 
 
 def test_a_length_in_optimizer_steps_is_reported_and_keeps_its_runs_apart(tiny_dataset, cli_env, tmp_path, capsys):
