@@ -146,21 +146,23 @@ def listed_twice(flag: str, values: list) -> str | None:
     return f"{flag} lists {twice[0]} more than once; give each once" if twice else None
 
 
-def config_differences(run_dir: Path, config: TrainConfig, resume_refuses: bool = False) -> list[str]:
+def config_differences(
+    run_dir: Path, config: TrainConfig, resume_refuses: bool = False, ignore: Sequence[str] = ()
+) -> list[str]:
     """Each setting that shapes a run's result where the run in ``run_dir`` differs from ``config``, as 'key saved
-    (not wanted)'; a run without a readable config.yaml differs in that. With ``resume_refuses``, only those a
-    resume must keep (the dataset is checked by its content there, so it is left out)."""
+    (not wanted)', except those in ``ignore``; a run without a readable config.yaml differs in that, and a setting
+    its config.yaml lacks (a run made before the setting existed) has its default. With ``resume_refuses``, only
+    those a resume must keep (the dataset is checked by its content there, so it is left out)."""
     try:
         saved = read_config_file(run_dir / CONFIG_FILE)
     except InputError:  # missing or damaged: not a run of this config
         return [f"no readable {run_dir / CONFIG_FILE}"]
-    keys = [key for key in config.to_dict() if not FIELDS[key].metadata["plumbing"]]
+    keys = [key for key in config.to_dict() if not FIELDS[key].metadata["plumbing"] and key not in ignore]
     if resume_refuses:
         keys = [key for key in keys if FIELDS[key].metadata["resume"] == "match" and key not in CHECKED_BY_CONTENT]
+    saved = {key: saved.get(key, FIELDS[key].default) for key in keys}
     return [
-        f"{key} {saved.get(key)!r} (not {getattr(config, key)!r})"
-        for key in keys
-        if saved.get(key) != getattr(config, key)
+        f"{key} {saved[key]!r} (not {getattr(config, key)!r})" for key in keys if saved[key] != getattr(config, key)
     ]
 
 
@@ -237,7 +239,13 @@ def train_run(
         logger.info(f"{run_dir.name}: reusing the finished run in {run_dir}")
         return results, False
     if complete_checkpoints(run_dir):
-        if differences := config_differences(run_dir, config, resume_refuses=True):
+        # A finished run resumes only to train more epochs: with any other difference it would test the same
+        # weights again and record settings that they did not train with.
+        if results is not None:
+            differences = config_differences(run_dir, config, ignore=("num_train_epochs", *CHECKED_BY_CONTENT))
+        else:
+            differences = config_differences(run_dir, config, resume_refuses=True)
+        if differences:
             raise InputError(
                 f"the {precision} run (seed {seed}) in {run_dir} was made with other settings "
                 f"({'; '.join(differences)}); compare these settings in another --output_dir, or give the ones it "

@@ -248,6 +248,32 @@ def test_runs_made_with_other_settings_are_refused_with_the_fix_for_compare(comp
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_finished_run_with_another_setting_is_refused_not_tested_again_and_one_older_than_a_setting_reused(
+    compared, tiny_dataset, tmp_path, capsys
+):
+    """Resuming a finished run for a setting other than more epochs would only test its weights again and record
+    the setting as if they had trained with it. A run saved before a setting existed had that setting's default."""
+    out = Path(shutil.copytree(compared[0], tmp_path / "report"))
+    args = [*compare_args(tiny_dataset, out), "--jobs", "1"]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert run_in_process(compare_cli, [*args, "--no-channels_last"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"error: the no run (seed 42) in {out / 'no_seed42'} was made with other settings (channels_last True (not "
+        "False)); compare these settings in another --output_dir, or give the ones it was made with"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    for config in out.glob("*_seed*/config.yaml"):  # as written before --conv_weight_grads existed
+        config.write_text(
+            "".join(line for line in config.read_text().splitlines(True) if "conv_weight_grads" not in line)
+        )
+    assert run_in_process(compare_cli, args) == 0
+    assert json.loads((out / "report.json").read_text())["trained"] == 0
+    results = [p for p in before if p.name == "results.json"]
+    assert len(results) == 4 and all(p.read_bytes() == before[p] for p in results)
+
+
 def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(tiny_dataset, cli_env, tmp_path):
     """Ctrl-C in a terminal signals the comparison only (its runs train in process groups of their own): it passes
     the request on to the run in training once, which stops with a checkpoint, and starts no other run. (Starting
