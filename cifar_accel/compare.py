@@ -5,9 +5,10 @@
 
 Every other flag goes to ``cifar_accel.train`` unchanged. Each precision and seed trains in its own folder,
 ``<output_dir>/<precision>_seed<seed>``; a folder that already holds a finished run of the same config is reused, an
-interrupted one is resumed (one made with settings a resume must keep is refused), so a stopped comparison goes on where
-it was when started again (SIGINT, SIGTERM or SIGHUP stops the runs in training at a checkpoint and starts no more,
-and so does a run that fails).
+interrupted one is resumed (one made with settings a resume must keep is refused, and so is a finished one made with
+other settings than a smaller number of epochs), so a stopped comparison goes on where it was when started again
+(SIGINT, SIGTERM or SIGHUP stops the runs in training at a checkpoint and starts no more, and so does a run that
+fails).
 ``--jobs N`` trains N runs at a time, each on cores / N threads, with its output in ``<precision>_seed<seed>.log``. The
 report is ``report.md`` (tables and plots), ``report.json`` (the same numbers) and PNG plots (with the ``plots`` extra):
 validation accuracy and training loss per epoch, epoch time and peak memory, and for fp16 the loss scale. It gives each

@@ -21,17 +21,17 @@ class Conv3x3(nn.Conv2d):
     """A 3x3 convolution ("same" padding, no bias) initialised near the identity: its first ``channels_in`` filters
     are Dirac deltas.
 
-    With ``matmul_weight_grads`` (by default on a CPU with AMX; --conv_weight_grads), in training under bf16
-    autocast on a CPU, its weight gradient on feature maps of up to 7x7 comes from ``small_map_weight_grad`` (the
-    same sums in another order): oneDNN's backward-weights kernel for AMX runs fast_net's 7x7 and 3x3 maps at
-    about a quarter and a sixth of the speed of its forward kernel.
+    With ``matmul_weight_grads`` (``FastNet.set_conv_weight_grads``), in training under bf16 autocast on a CPU,
+    its weight gradient on feature maps of up to 7x7 comes from ``small_map_weight_grad`` (the same sums in another
+    order): oneDNN's backward-weights kernel for AMX runs fast_net's 7x7 and 3x3 maps at about a quarter and a
+    sixth of the speed of its forward kernel.
     """
 
     def __init__(self, channels_in: int, channels_out: int) -> None:
         super().__init__(channels_in, channels_out, kernel_size=3, padding="same", bias=False)
         with torch.no_grad():
             nn.init.dirac_(self.weight[:channels_in])
-        self.matmul_weight_grads = "amx_bf16" in cpu_flags()
+        self.matmul_weight_grads = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (
@@ -122,6 +122,7 @@ class FastNet(nn.Module):
             nn.MaxPool2d(3),
         )
         self.classifier = nn.Linear(WIDTHS[2], num_classes, bias=False)
+        self.set_conv_weight_grads("auto")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(self.whiten(images)).flatten(1)) * LOGIT_SCALE
