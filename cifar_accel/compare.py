@@ -554,10 +554,10 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
     for name, report in sorted(reports.items()):
         hw = report["hardware"]
         machine = f"{machine_name(hw)}; threads per run: {report['threads_per_run']}"
+        at_a_time = f"{report['jobs']} at a time" if report.get("trained", 1) else "trained before the comparison"
         for s in report["precisions"]:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
             epochs = epochs_text(s.get("epochs_trained", s["epochs"]))  # reports written before it: whole epochs
-            at_a_time = f"{report['jobs']} at a time" if report.get("trained", 1) else "trained before the comparison"
             lines.append(
                 f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs} | {len(s['seeds'])} "
                 f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
