@@ -795,6 +795,15 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
             f"'{config.model_name}', which trains them at --learning_rate; use --model fast_net, or "
             f"--bias_lr_scale {default_bias_lr_scale:g}"
         )
+    default_conv_weight_grads = FIELDS["conv_weight_grads"].default
+    if config.conv_weight_grads != default_conv_weight_grads and not hasattr(
+        MODELS[config.model_name], "set_conv_weight_grads"
+    ):
+        raise InputError(
+            f"{origins['conv_weight_grads']} chooses how fast_net's convolutions compute their weight gradients, but "
+            f"{origins['model_name']} is '{config.model_name}', which has no such choice; use --model fast_net, or "
+            f"--conv_weight_grads {default_conv_weight_grads}"
+        )
     if config.whiten_bias_epochs and not per_step:
         raise InputError(
             f"{origins['whiten_bias_epochs']} needs a per-step schedule, but {origins['lr_scheduler_type']} is "
