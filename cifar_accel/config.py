@@ -507,7 +507,10 @@ def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
 
 def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word: str) -> str:
     """Why ``word``, a value no flag took, is there, where it follows a text flag and its one value: a list
-    (``--report_to tensorboard mlflow``, whose names go with commas) or a path with a space, not quoted."""
+    (``--report_to tensorboard mlflow``, whose names go with commas) or a path with a space, not quoted. An unknown
+    flag (``--bogus``) is no such value."""
+    if word.startswith("-"):
+        return ""
     position = argv.index(word)
     action = parser._option_string_actions.get(argv[position - 2]) if position >= 2 else None
     if action is None or action.dest not in _TYPES or _unwrap(_TYPES[action.dest])[0] is not str:
@@ -741,7 +744,8 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         options = [o for a in parser._actions for o in a.option_strings]
         raise InputError(
-            f"unknown argument '{flag}'{_suggest(flag.split('=')[0], options) or _left_over(parser, argv, flag)}"
+            f"unknown argument '{flag}'"
+            + (_suggest(flag.split("=")[0], options) or _left_over(parser, argv, flag) or " (see --help)")
         )
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
     from_file = read_config_file(config_path(args.config)) if hasattr(args, "config") else {}

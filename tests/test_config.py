@@ -191,10 +191,14 @@ def test_bad_flags_are_refused(argv, message):
     assert message in str(err.value)
 
 
-def test_a_number_left_over_gets_no_advice_to_quote_it():
+@pytest.mark.parametrize(
+    ("argv", "word"),
+    [(["--lr", "0.1", "0.2"], "0.2"), (["--output_dir", "runs/a", "--bogus", "3"], "--bogus"), (["--zzz"], "--zzz")],
+)
+def test_a_number_or_an_unknown_flag_left_over_gets_no_advice_to_quote_it(argv, word):
     with pytest.raises(InputError) as err:
-        load_config(["--lr", "0.1", "0.2"])
-    assert str(err.value) == "unknown argument '0.2'"
+        load_config(argv)
+    assert str(err.value) == f"unknown argument '{word}' (see --help)"
 
 
 @pytest.mark.parametrize(
