@@ -136,7 +136,7 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
     if len(data.train) < batch_per_step:
         fixes = ["lower --per_device_train_batch_size"]
         if data.val_split is None and len(data.val):
-            fixes.append(f"lower --val_ratio (it holds out {len(data.val)} images)")
+            fixes.append(f"lower --val_ratio ({len(data.val)} held out for validation)")
         if config.max_train_samples is not None:
             fixes.append("raise --max_train_samples")
         raise InputError(
