@@ -266,7 +266,10 @@ def train_run(
     lines = proc.stderr.strip().splitlines() if proc else []
     if proc is None or (processes.signal_number and proc.returncode > 128):  # stopped as asked, with its own line
         logger.info(f"{run_dir.name}: " + (one_line(lines[-1]) if lines else "not started"))
-        return None, True
+        # A stop during the final test and export lets them finish: a results.json other than the one the run
+        # started with (a finished run's, which it was extending) says the run is done.
+        written = finished_results(run_dir) if proc else None
+        return (written if written != results else None), True
     if threads is not None:
         ended = "finished" if proc.returncode == 0 else f"ended with exit code {proc.returncode}"
         logger.info(f"{run_dir.name}: {ended} (its output is in {log.name})")
@@ -611,8 +614,8 @@ def compare(
             raise failed
         outcomes = {key: future.result() for key, future in futures.items()}
     finished = {key: results for key, (results, _) in outcomes.items()}
-    if processes.signal_number:
-        stopped = [folders[key].name for key, results in finished.items() if results is None]
+    stopped = [folders[key].name for key, results in finished.items() if results is None]
+    if stopped:
         raise Stopped(
             f"stopped by {signal.Signals(processes.signal_number).name}; {len(stopped)} of {len(folders)} runs are "
             f"not finished ({', '.join(stopped)}); run the same command again to go on",
@@ -640,6 +643,12 @@ def compare(
     write_atomic(output_dir / "report.md", markdown(report))
     print(markdown(report))
     logger.info(f"wrote {output_dir / 'report.md'}, {output_dir / 'report.json'} and {len(report['plots'])} PNGs")
+    if processes.signal_number:  # it came as the last runs were finishing, which they did, as a run does
+        raise Stopped(
+            f"stopped by {signal.Signals(processes.signal_number).name} as the runs were finishing; they finished "
+            f"first, and the report is in {output_dir / 'report.md'}",
+            processes.exit_code,
+        )
 
 
 def cli() -> None:

@@ -389,3 +389,25 @@ def test_nothing_to_run_is_refused_and_leaves_no_folder(tiny_dataset, cli_env, t
     assert proc.returncode == 2
     assert proc.stderr == "error: none of the requested precisions can run here; add --precisions no\n"
     assert not (tmp_path / "new").exists()  # the folders the command made for its report go again
+
+
+def test_a_signal_as_the_last_run_finishes_lets_it_and_the_report_finish(tiny_dataset, cli_env, tmp_path):
+    """A run stopped during its final test and export finishes them first (its results.json is written): the
+    comparison counts it as finished, not as a run to resume, and with every run finished writes the report before
+    it exits with the signal's code, as a run does."""
+    out = tmp_path / "report"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "1", "--precisions", "no", "--seeds", "42")
+    command = [sys.executable, "-m", "cifar_accel.compare", *args]
+    proc = subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: complete_checkpoints(out / "no_seed42"), proc)  # the last epoch's: the final test is next
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, stderr
+    assert (
+        stderr
+        == f"stopped by SIGINT as the runs were finishing; they finished first, and the report is in {out}/report.md\n"
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["trained"] == 1 and report["precisions"][0]["seeds"] == [42]
+    assert read_results(out / "no_seed42")["epochs_completed"] == 1
