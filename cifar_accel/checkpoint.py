@@ -342,5 +342,6 @@ def load_checkpoint(
             load_ema(ema, path)
     except Exception as err:  # noqa: BLE001 - any failure here means the files are damaged
         raise InputError(
-            f"checkpoint '{path}' cannot be loaded ({type(err).__name__}: {one_line(err)[:200]})"
+            f"checkpoint '{path}' cannot be loaded ({type(err).__name__}: {one_line(err)[:200]}); it is damaged, "
+            "use another checkpoint"
         ) from None

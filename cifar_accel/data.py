@@ -535,7 +535,9 @@ def split_indices(size: int, val_ratio: float, seed: int) -> tuple[torch.Tensor,
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
     num_val = max(1, round(size * val_ratio)) if val_ratio > 0 else 0
     if num_val >= size:
-        raise InputError(f"--val_ratio {val_ratio} leaves no training images out of {size}")
+        raise InputError(
+            f"--val_ratio {val_ratio} leaves no training images out of {size}; lower it (0 trains on all of them)"
+        )
     return order[num_val:], order[:num_val]
 
 

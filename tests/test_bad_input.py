@@ -163,6 +163,8 @@ CASES = [
     ("optional-number-as-a-word", ["--max_grad_norm", "off"], 2, ["--max_grad_norm: expected a number or none"]),
     ("validation-leaves-too-few", ["--dataset_name", "{data}", "--val_ratio", "0.95"], 2,
      ["training images are fewer than one batch of 64", "or lower --val_ratio (311 held out for validation)"]),
+    ("validation-takes-all", ["--dataset_name", "{data}", "--val_ratio", "0.999"], 2,
+     ["--val_ratio 0.999 leaves no training images out of", "; lower it (0 trains on all of them)"]),
     ("max-train-samples-too-few", ["--dataset_name", "{data}", "--max_train_samples", "20", "--val_ratio", "0"], 2,
      ["20 training images are fewer than one batch of 64; lower --per_device_train_batch_size, or raise "
       "--max_train_samples"]),
