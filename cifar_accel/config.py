@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
 import re
 import shlex
@@ -23,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cifar_accel.errors import ArgumentParser, InputError
+from cifar_accel.errors import ArgumentParser, InputError, suggest
 from cifar_accel.models import MODELS
 from cifar_accel.schema import check_value, quote
 
@@ -434,7 +433,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="cifar_accel.train",
         description="Train a CIFAR-10 classifier with Hugging Face Accelerate.",
@@ -498,11 +497,6 @@ def _unwrap(annotation: Any) -> tuple[type, tuple[str, ...] | None, bool]:
         choices = typing.get_args(annotation)
         return type(choices[0]), choices, optional
     return annotation, None, optional
-
-
-def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word: str) -> str:
@@ -700,7 +694,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     values = {}
     for key, value in data.items():
         if key not in FIELDS:
-            raise InputError(f"config file {path}: unknown key {quote(str(key))}{_suggest(str(key)[:100], FIELDS)}")
+            raise InputError(f"config file {path}: unknown key {quote(str(key))}{suggest(str(key)[:100], FIELDS)}")
         values[key] = check_field(key, value, f"config file {path}")
     return values
 
@@ -741,12 +735,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        options = [o for a in parser._actions for o in a.option_strings]
-        raise InputError(
-            f"unknown argument '{flag}'"
-            + (_suggest(flag.split("=")[0], options) or _left_over(parser, argv, flag) or " (see --help)")
-        )
+        raise InputError(parser.unknown_argument(unknown, lambda word: _left_over(parser, argv, word)))
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
     from_file = read_config_file(config_path(args.config)) if hasattr(args, "config") else {}
 

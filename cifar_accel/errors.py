@@ -9,6 +9,7 @@ stdout reader went away (``| head``) with 141, as SIGPIPE would.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -35,11 +36,31 @@ class RunFault(Exception):
     """A fault during the run whose message already says what happened and what to do (exit code 1)."""
 
 
+def suggest(name: str, candidates: typing.Iterable[str]) -> str:
+    """``; did you mean '...'?`` naming the candidate closest to ``name``, or '' where none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage."""
+    """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage, and an
+    unknown flag with the one it was probably meant to be."""
 
     def error(self, message: str) -> NoReturn:
         raise InputError(f"{message} (see --help)")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: typing.Any = None) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            raise InputError(self.unknown_argument(unknown))
+        return parsed
+
+    def unknown_argument(self, unknown: list[str], advice: Callable[[str], str] = lambda word: "") -> str:
+        """The line for the first unknown flag in ``unknown`` (else its first value that no flag took): the flag it
+        was probably meant to be, else ``advice`` for it, else a pointer to --help."""
+        word = next((u for u in unknown if u.startswith("-")), unknown[0])
+        options = [option for action in self._actions for option in action.option_strings]
+        return f"unknown argument '{word}'" + (suggest(word.split("=")[0], options) or advice(word) or " (see --help)")
 
 
 def non_empty(value: str) -> str:

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
-from cifar_accel import compare, evaluate, load_model, predict
+from cifar_accel import compare, evaluate, export, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.data import load_split
 from cifar_accel.errors import InputError, run_cli
@@ -70,6 +70,22 @@ def run_entry_point(module, argv: list[str], capsys: pytest.CaptureFixture) -> t
     code = run_cli(module.main, argv)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [
+        (evaluate, ["--model", "run", "--max-eval-samples", "3"],
+         "'--max-eval-samples'; did you mean '--max_eval_samples'?"),
+        (predict, ["--model", "run", "--topk", "2", "cat.png"], "'--topk'; did you mean '--top_k'?"),
+        (export, ["--model", "run", "--formt", "onnx"], "'--formt'; did you mean '--format'?"),
+        (compare, ["--seeds", "1", "--learnin_rate", "0.1"], "'--learnin_rate'; did you mean '--learning_rate'?"),
+        (evaluate, ["--model", "run", "extra"], "'extra' (see --help)"),
+    ],
+    ids=["evaluate", "predict", "export", "compare", "a-value-no-flag-took"],
+)  # fmt: skip
+def test_every_command_names_the_flag_an_unknown_one_was_probably_meant_to_be(module, argv, line, capsys):
+    assert run_entry_point(module, argv, capsys) == (2, "", f"error: unknown argument {line}\n")
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, "forked"])
