@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def hub_repo(config: TrainConfig, output_dir: Path) -> str:
 
 
 def check_hub_settings(config: TrainConfig, output_dir: Path) -> None:
-    """With --push_to_hub, before any work: the repository id must be one the Hub accepts, and a token must be at
-    hand (the flag, HF_TOKEN or a cached login)."""
+    """With --push_to_hub, before any work: the repository id must be one the Hub accepts, a token must be at hand
+    (the flag, HF_TOKEN or a cached login), and the repository must exist or be made with it, as the Hugging Face
+    example scripts make it before they train; so no network, a token the Hub refuses, or an id that is someone
+    else's stops the run here instead of after all of its training."""
     if not config.push_to_hub:
         return
     repo = hub_repo(config, output_dir)
@@ -35,10 +38,21 @@ def check_hub_settings(config: TrainConfig, output_dir: Path) -> None:
             f"{given} is not a Hub repository id ({one_line(err)[:200]}); pass --hub_model_id 'name' or "
             "'user/name' with letters, digits, '-', '_' and '.'"
         ) from None
-    if not (config.hub_token or get_token()):
+    token = config.hub_token or get_token()
+    if not token:
         raise InputError(
             "--push_to_hub needs a Hugging Face token: pass --hub_token, set HF_TOKEN, or run 'hf auth login' first"
         )
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # one process of several asks the Hub; its refusal stops them all
+    try:
+        HfApi(token=token).create_repo(repo, private=config.hub_private_repo, exist_ok=True)
+    except Exception as err:  # noqa: BLE001 - the network, the token and the Hub fail in many kinds
+        raise InputError(
+            f"--push_to_hub: the Hub repository '{repo}' cannot be made or reached ({type(err).__name__}: "
+            f"{one_line(err)[:200]}); check the network, the token and --hub_model_id, or train without "
+            "--push_to_hub and upload the run later with hf upload"
+        ) from None
 
 
 def push_to_hub(config: TrainConfig, output_dir: Path) -> str:

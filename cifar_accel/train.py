@@ -468,8 +468,8 @@ def run_training(
     with StopRequest() as stop:
         trackers = requested_trackers(config.report_to)
         check_trackers(trackers, Path(config.output_dir))
-        check_hub_settings(config, Path(config.output_dir))
         check_dataset_path(config.dataset_name)
+        check_hub_settings(config, Path(config.output_dir))  # the last: it may make the Hub repository
         with writable_output_dir(Path(config.output_dir)) as output_dir:
             accelerator = build_accelerator(config, output_dir, trackers)
             with exclusive_output_dir(accelerator, output_dir):

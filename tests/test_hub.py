@@ -1,5 +1,6 @@
-"""--push_to_hub without a network: it fails after the local save, with one line and exit code 1, and nothing local
-is lost; the token is written nowhere. The Hub itself is unreachable here, so the upload is never seen to land."""
+"""--push_to_hub without a network: the run is refused before any work, as the repository cannot be made; an upload
+that fails at the end (the network gone since) leaves everything saved locally, with one line and exit code 1; the
+token is written nowhere. The Hub itself is unreachable here, so the upload is never seen to land."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from cifar_accel.errors import RunFault
 from cifar_accel.hub import push_to_hub
 from cifar_accel.outputs import shared_files
 
-from conftest import read_results, run_cli, tiny_args, train_in_process
+from conftest import read_results, run_cli, snapshot, tiny_args, train_in_process
 
 # What a run folder shares on the Hub, and nothing else (the README names these).
 SHARED = [
@@ -28,23 +29,47 @@ SHARED = [
     "curves.png",
     "README.md",
 ]
+NO_HUB = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a closed port: no Hub to reach
 
 
-def test_a_push_without_a_network_fails_after_everything_is_saved_locally(tiny_dataset, cli_env, tmp_path):
+def test_a_push_without_a_network_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path):
+    """As the Hugging Face example scripts do, the repository is made before the run trains, so a push that cannot
+    land is found before the training, not after it."""
     out = tmp_path / "run"
-    env = {**cli_env, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a closed port: no Hub to reach
     args = tiny_args(tiny_dataset, out, "--push_to_hub", "--hub_model_id", "someone/tiny", "--hub_token", "hf_secret1")
-    proc = run_cli(args, env)
-    assert proc.returncode == 1
+    proc = run_cli(args, {**cli_env, **NO_HUB})
+    assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: pushing to the Hub as 'someone/tiny' failed (")
+    assert line.startswith("error: --push_to_hub: the Hub repository 'someone/tiny' cannot be made or reached (")
+    assert line.endswith(
+        "check the network, the token and --hub_model_id, or train without --push_to_hub and upload the run later "
+        "with hf upload"
+    )
+    assert not out.exists() and "epoch 1" not in proc.stdout
+    assert "hf_secret1" not in proc.stdout + proc.stderr  # the token: nowhere
+
+
+def test_an_upload_that_fails_at_the_end_leaves_the_run_saved_with_the_command_that_pushes_it(
+    run_with_private_files, monkeypatch
+):
+    """The network gone between the start, which made the repository, and the end: the real upload fails against
+    the closed port, and the run's files stay as they were."""
+    out = run_with_private_files
+    before = snapshot(out)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at import
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", NO_HUB["HF_ENDPOINT"])
+    config, _ = load_config(tiny_args(Path("unused"), out, "--push_to_hub", "--hub_model_id", "someone/tiny",
+                                      "--hub_token", "hf_secret1"))  # fmt: skip
+    PartialState(cpu=True)  # as in the training process, which pushes at its end
+    with pytest.raises(RunFault) as failure:
+        push_to_hub(config, out)
+    line = str(failure.value)
+    assert line.startswith("pushing to the Hub as 'someone/tiny' failed (ConnectError: ")
     include = " ".join(f"--include {name}" for name in SHARED)
     assert f"the run is saved in full in {out}; push it later with: hf upload someone/tiny {out} {include}" in line
-    assert read_results(out)["epochs_completed"] == 1
-    for name in ("model.safetensors", "README.md", "curves.png", "config.yaml", "labels.json"):
-        assert (out / name).is_file(), name
+    assert snapshot(out) == before and read_results(out)["epochs_completed"] == 1
     assert not any(b"hf_secret1" in f.read_bytes() for f in out.rglob("*") if f.is_file())  # the token: nowhere
-    assert "hf_secret1" not in proc.stdout
+    assert "hf_secret1" not in line
 
 
 def test_a_push_without_a_token_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path):
