@@ -14,7 +14,7 @@ from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.errors import InputError
+from cifar_accel.errors import InputError, one_line
 from cifar_accel.outputs import LOGS_DIR, write_atomic
 
 logger = logging.getLogger(__name__)  # not Accelerate's: the trackers are checked before the Accelerator exists
@@ -89,8 +89,10 @@ def check_mlflow_store(output_dir: Path) -> None:
         raise InputError(
             f"MLFLOW_TRACKING_URI={uri!r} needs {need}; use a file: folder or an http(s) server, {unset}"
         ) from None
+    if scheme in ("http", "https"):
+        check_mlflow_server(uri, unset)
     if scheme not in ("", "file"):
-        return  # a server: reached when the run starts
+        return
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
         raise InputError(
             f"MLFLOW_TRACKING_URI={uri!r} is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true;"
@@ -112,6 +114,32 @@ def check_mlflow_store(output_dir: Path) -> None:
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+# One try, answered within 15 s: MLflow's own requests try 8 times over about four minutes before they fail.
+SERVER_PROBE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+def check_mlflow_server(uri: str, unset: str) -> None:
+    """An MLflow server must answer before any work, with the credentials MLflow would send: the run's first
+    request to it (Accelerate's MLflow tracker looks its experiment up by name) is made here once, so that a server
+    that is down or refuses the credentials stops the run in seconds, not minutes later and after the run folder
+    was written."""
+    from mlflow.tracking import MlflowClient
+
+    saved = {name: os.environ.get(name) for name in SERVER_PROBE}
+    os.environ.update(SERVER_PROBE)
+    try:
+        MlflowClient(tracking_uri=uri).get_experiment_by_name("cifar_accel")
+    except Exception as err:  # noqa: BLE001 - the network and the server fail in many kinds
+        raise InputError(
+            f"MLFLOW_TRACKING_URI={uri!r}: the MLflow server does not answer ({type(err).__name__}: "
+            f"{one_line(err)[:200]}); start it or fix its credentials, point the variable at one that runs, {unset}"
+        ) from None
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def tracker_config(config: TrainConfig) -> dict[str, Any]:

@@ -222,8 +222,9 @@ def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_
         ("sqlite:///{tmp}/mlflow.db", True, "needs the full mlflow package (pip install mlflow)"),
         ("{tmp}/mlruns", False, "is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true"),
         ("file://{tmp}/a_file/mlruns", True, "a_file is a file; point it at a folder"),
+        ("http://127.0.0.1:9", True, "the MLflow server does not answer (MlflowException: "),  # a closed port
     ],
-    ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file"],
+    ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file", "server-down"],
 )
 def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, monkeypatch,
                                                                      uri, allow, message):  # fmt: skip
