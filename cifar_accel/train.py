@@ -40,7 +40,7 @@ from cifar_accel.checkpoint import (
 from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_config
 from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
-from cifar_accel.errors import InputError, RunFault, Stopped, run_cli
+from cifar_accel.errors import InputError, RunFault, Stopped, one_line, run_cli
 from cifar_accel.evaluate import warn_of_earlier_evaluations
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
@@ -179,6 +179,8 @@ def set_up_run(
         if not config.max_train_steps:  # a run of --max_train_steps resumes with its own, as the fingerprint holds
             check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
 
+    if config.torch_compile and accelerator.device.type == "cpu":
+        check_cpp_compiler()
     data, global_batch, learning_rate = load_run_data(config, accelerator)
     signature = data_signature(data)
     if resumed is not None:
@@ -271,6 +273,20 @@ def build_run_model(config: TrainConfig, data: CifarData, eval_transform: BatchT
     if config.torch_compile:
         model.compile()  # in place: parameter names stay those of the plain model, in checkpoints and weights
     return model
+
+
+def check_cpp_compiler() -> None:
+    """--torch_compile on a CPU: inductor builds its kernels with the machine's C++ compiler, so one must run (a
+    slim container has none); without one the first step would fail, after the run folder was written."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as err:  # noqa: BLE001 - InvalidCxxCompiler, or a compiler that cannot start
+        raise InputError(
+            f"--torch_compile on a CPU needs a C++ compiler, which inductor builds its kernels with ("
+            f"{type(err).__name__}: {one_line(err)[:200]}); install one (g++, or set CXX), or leave --torch_compile out"
+        ) from None
 
 
 def measure_precision(run: Run, source: str) -> dict[str, Any]:

@@ -33,3 +33,21 @@ def test_compiled_run_matches_eager_and_resumes_uncompiled(tiny_dataset, cli_env
     assert "1 epochs and 0 batches done" in proc.stdout
     results = read_results(compiled)
     assert results["epochs_completed"] == 2 and results["history"][0] == compiled_epoch
+
+
+def test_compiling_on_a_cpu_without_a_working_cxx_compiler_is_refused_before_any_work(tiny_dataset, cli_env, tmp_path):
+    """A machine whose compilers do not run (a slim container has none): each name inductor looks for is a program
+    that fails, first on the PATH."""
+    broken = tmp_path / "bin"
+    broken.mkdir()
+    for name in ("g++", "gcc", "c++", "cc", "clang++", "clang"):
+        (broken / name).write_text("#!/bin/sh\nexit 1\n")
+        (broken / name).chmod(0o755)
+    env = {**cli_env, "PATH": f"{broken}:{cli_env['PATH']}"}
+    env.pop("CXX", None)
+    out = tmp_path / "run"
+    proc = run_cli(tiny_args(tiny_dataset, out, "--torch_compile"), env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --torch_compile on a CPU needs a C++ compiler, which inductor builds its ")
+    assert proc.stderr.endswith("; install one (g++, or set CXX), or leave --torch_compile out\n")
+    assert len(proc.stderr.splitlines()) == 1 and not out.exists()
