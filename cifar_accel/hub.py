@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from cifar_accel.config import TrainConfig
 from cifar_accel.errors import InputError, RunFault, one_line
 from cifar_accel.outputs import shared_files
+from cifar_accel.processes import launched_rank
 
 logger = get_logger(__name__)
 
@@ -43,7 +43,7 @@ def check_hub_settings(config: TrainConfig, output_dir: Path) -> None:
         raise InputError(
             "--push_to_hub needs a Hugging Face token: pass --hub_token, set HF_TOKEN, or run 'hf auth login' first"
         )
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launched_rank() != 0:
         return  # one process of several asks the Hub; its refusal stops them all
     try:
         HfApi(token=token).create_repo(repo, private=config.hub_private_repo, exist_ok=True)

@@ -20,6 +20,11 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank among them (0 for the one process of a plain start), before the Accelerator exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def check_joined(accelerator: Accelerator, command: str) -> None:
     """Refuse processes that a launcher started but Accelerate did not join into one group (a multi-GPU launch on a
     machine without a GPU, or torchrun without --cpu there): each would do all the work and write the same files."""

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -82,7 +81,7 @@ from cifar_accel.precision import (
     precision_report,
     warn_if_not_in_effect,
 )
-from cifar_accel.processes import check_joined
+from cifar_accel.processes import check_joined, launched_rank
 from cifar_accel.profiling import STEPS_BEFORE_RECORDING, profiled
 from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
@@ -525,7 +524,7 @@ def main(
     # process logs the package's own INFO lines; other libraries (Accelerate's per-file checkpoint messages,
     # matplotlib's notes), and the other processes, only warnings.
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         for name in ("cifar_accel", __name__):  # __name__ is __main__ under `python -m`
             logging.getLogger(name).setLevel(logging.INFO)
     keep_freed_memory()
