@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.errors import InputError, one_line
+from cifar_accel.errors import InputError, Stopped, one_line
 from cifar_accel.outputs import LOGS_DIR, write_atomic
 
 logger = logging.getLogger(__name__)  # not Accelerate's: the trackers are checked before the Accelerator exists
@@ -221,6 +223,25 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
             tracker.store_init_configuration(tracker_config(config))
         if tracker.name == "mlflow" and accelerator.is_main_process:
             write_atomic(runs_file, json.dumps({"mlflow": tracker.tracker.info.run_id}))
+
+
+@contextlib.contextmanager
+def trackers_ended_with_the_run(accelerator: Accelerator) -> Iterator[None]:
+    """Around a run whose trackers the body starts: a run that raises ends them too, and its MLflow run says how it
+    ended, KILLED when a signal stopped it (resumable), FAILED otherwise, as ``mlflow.start_run`` as a context
+    does; MLflow's own exit hook would mark it FINISHED. Ending them cannot hide the run's own error."""
+    try:
+        yield
+    except BaseException as err:
+        for tracker in accelerator.trackers:
+            with contextlib.suppress(Exception):
+                if tracker.name == "mlflow":
+                    import mlflow
+
+                    mlflow.end_run(status="KILLED" if isinstance(err, Stopped) else "FAILED")
+                else:
+                    tracker.finish()
+        raise
 
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:

@@ -87,7 +87,13 @@ from cifar_accel.run import Run
 from cifar_accel.state import RunResults, TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
-from cifar_accel.trackers import check_trackers, requested_trackers, start_trackers, tracker_config
+from cifar_accel.trackers import (
+    check_trackers,
+    requested_trackers,
+    start_trackers,
+    tracker_config,
+    trackers_ended_with_the_run,
+)
 from cifar_accel.transforms import BatchTransform, TrainingTransform
 
 logger = get_logger(__name__)
@@ -490,19 +496,20 @@ def run_training(
             with exclusive_output_dir(accelerator, output_dir):
                 run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)
                 stop.defer()
-                replaced = open_run_outputs(run)
-                books = bookkeeper_type(run, stop, replaced)
-                try:
-                    train_epochs(run, books)
-                    results = finish_run(run)
-                    stopping = stop.requested(accelerator)
-                    accelerator.end_training()  # flushes the trackers, and ends the process group of several processes
-                except OSError as err:  # a write of the trackers: TensorBoard's writer thread fails without a file name
-                    raise RunFault(
-                        f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
-                        f"({err.strerror or err}); {fix_for(err)}, then "
-                        + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
-                    ) from None
+                with trackers_ended_with_the_run(accelerator):
+                    replaced = open_run_outputs(run)
+                    books = bookkeeper_type(run, stop, replaced)
+                    try:
+                        train_epochs(run, books)
+                        results = finish_run(run)
+                        stopping = stop.requested(accelerator)
+                        accelerator.end_training()  # flushes the trackers, ends the process group of several processes
+                    except OSError as err:  # a write of the trackers: TensorBoard's writer fails without a file name
+                        raise RunFault(
+                            f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
+                            f"({err.strerror or err}); {fix_for(err)}, then "
+                            + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
+                        ) from None
                 if config.push_to_hub and accelerator.is_main_process and not stopping:
                     logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
                 if stopping:

@@ -3,20 +3,26 @@ config as TensorBoard."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import mlflow
 import pytest
+import torch
 from accelerate import Accelerator
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.config import load_config
+from cifar_accel.errors import RunFault
 from cifar_accel.trackers import requested_trackers, start_trackers, tensorboard_dir, tracker_config
 
 from conftest import read_results, reset_accelerate_state, run_cli, tiny_args
@@ -237,3 +243,40 @@ def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_datase
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: MLFLOW_TRACKING_URI=") and message in line
     assert not out.exists() and not (tmp_path / "mlflow.db").exists()
+
+
+class StopOrFailAtStep5(RunBookkeeper):
+    """SIGTERM at optimizer step 5 (the run stops after it with a checkpoint), or a fault there."""
+
+    fault = False
+
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().count_step(loss, grad_norm)
+        if self.state.global_step == 5:
+            if self.fault:
+                raise RunFault("injected fault at step 5")
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal: the step in progress completes
+
+
+@pytest.mark.parametrize(("fault", "exit_code", "status"), [(False, 143, "KILLED"), (True, 1, "FAILED")])
+def test_a_run_that_does_not_finish_says_so_in_mlflow_and_its_resume_finishes_the_same_run(
+    tiny_dataset, train_here, tmp_path, monkeypatch, fault, exit_code, status
+):
+    """MLflow's exit hook would end the run as FINISHED; a stopped one is KILLED, a failed one FAILED, and the
+    TensorBoard writer is closed in either case."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setattr(StopOrFailAtStep5, "fault", fault)
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--report_to", "tensorboard,mlflow", "--checkpointing_steps", "3")
+    writers = {thread for thread in threading.enumerate() if type(thread).__name__ == "_AsyncWriterThread"}
+    assert train_here(args, bookkeeper_type=StopOrFailAtStep5).returncode == exit_code
+    assert mlflow.active_run() is None
+    assert {t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"} == writers
+    client = MlflowClient()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == status
+
+    assert train_here([*args, "--resume_from_checkpoint", "latest"]).returncode == 0
+    (resumed,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert (resumed.info.run_id, resumed.info.status) == (run.info.run_id, "FINISHED")
