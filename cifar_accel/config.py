@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cifar_accel.errors import ArgumentParser, InputError, suggest
+from cifar_accel.errors import ArgumentParser, InputError, suggest, too_long
 from cifar_accel.models import MODELS
 from cifar_accel.schema import check_value, quote
 
@@ -46,11 +46,13 @@ def _field(
     resume: Resume,
     aliases: tuple[str, ...] = (),
     pattern: tuple[str, str] | None = None,
+    path: bool = False,
     plumbing: bool = False,
     **bounds: float,
 ) -> Any:
     """A config field: help text, what a resume may do with it, extra flag names, bounds (ge, gt, le, lt), for
-    strings a (regular expression, description) pair the value must match, and whether it is plumbing.
+    strings a (regular expression, description) pair the value must match, whether it is a path (or a name the run
+    makes a folder of), and whether it is plumbing.
 
     ``resume="match"`` puts the field in the checkpoint's fingerprint: it changes shapes, the data split or
     order, or what the restored optimizer and scheduler compute, so a resume with another value is refused.
@@ -62,6 +64,7 @@ def _field(
         "resume": resume,
         "aliases": aliases,
         "pattern": pattern,
+        "path": path,
         "bounds": bounds,
         "plumbing": plumbing,
     }
@@ -76,6 +79,7 @@ class TrainConfig:
         "Hub dataset id, or a local path that datasets.load_dataset reads (Hub-layout folder, parquet, image folder); "
         "the run records a local path as an absolute one.",
         resume="match",
+        path=True,
     )
     image_column_name: str | None = _field(
         None, "Image column; default: the dataset's first Image column.", resume="match"
@@ -343,6 +347,7 @@ class TrainConfig:
         "outputs/cifar10",
         "Where checkpoints, logs, model.safetensors and results.json go.",
         resume="may_change",
+        path=True,
         plumbing=True,
     )
     overwrite_output_dir: bool = _field(
@@ -356,6 +361,7 @@ class TrainConfig:
         "A checkpoint folder; 'latest' for the newest one in --output_dir; or 'auto': the newest one if --output_dir "
         "has one, else a new run (one command for a job's first start and its requeues).",
         resume="may_change",
+        path=True,
         plumbing=True,
         aliases=("--resume",),
     )
@@ -394,6 +400,7 @@ class TrainConfig:
         "The trackers' project (MLflow experiment, W&B project); TensorBoard writes to "
         "<output_dir>/logs/<project_name>.",
         resume="may_change",
+        path=True,
         plumbing=True,
         pattern=(r"[\w-][\w.-]*", "letters, digits, '.', '-' and '_', not starting with '.'"),
     )
@@ -528,6 +535,8 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     )
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
+    if FIELDS[name].metadata["path"] and value is not None and (problem := too_long(os.path.expanduser(value))):
+        raise InputError(f"{origin}: '{name}' {problem}; use a shorter one")
     return value
 
 
@@ -647,6 +656,8 @@ def config_path(spec: str) -> Path:
     if spec in preset_names():
         return PRESETS_DIR / f"{spec}.yaml"
     path = Path(spec).expanduser()
+    if problem := too_long(str(path)):
+        raise InputError(f"--config: the path {problem}; use a shorter one")
     if not path.exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
         raise InputError(
             f"--config '{quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "

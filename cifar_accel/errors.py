@@ -71,10 +71,32 @@ def non_empty(value: str) -> str:
     return value
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's file systems' limit on one name, and the kernel's on a path
+
+
+def too_long(path: str) -> str | None:
+    """Why ``path`` is too long to be a path here, where every file call on it would fail with 'File name too
+    long'; None where it is not."""
+    encoded = os.fsencode(os.path.abspath(path))
+    if len(encoded) >= PATH_MAX:
+        return f"is {len(encoded)} bytes long as an absolute path, more than the {PATH_MAX - 1} a path may have"
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        name = os.fsdecode(longest)
+        return (
+            f"holds a name of {len(longest)} bytes ('{name[:24]}...'), more than the {NAME_MAX} a file or folder "
+            "name may have"
+        )
+    return None
+
+
 def user_path(value: str) -> str:
     """An argparse type for paths (and dataset names, which may be paths): ``non_empty``, with a leading ~ expanded
-    as the shell would have, had it not been in ``--flag=~/...``, in quotes or in a config file."""
-    return os.path.expanduser(non_empty(value))
+    as the shell would have, had it not been in ``--flag=~/...``, in quotes or in a config file, and not too long."""
+    path = os.path.expanduser(non_empty(value))
+    if problem := too_long(path):
+        raise argparse.ArgumentTypeError(f"the path {problem}; use a shorter one")
+    return path
 
 
 def positive_int(value: str) -> int:

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
-from cifar_accel import compare, evaluate, export, load_model, predict
+from cifar_accel import compare, evaluate, export, load_model, predict, train
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.data import load_split
 from cifar_accel.errors import InputError, run_cli
@@ -86,6 +86,42 @@ def run_entry_point(module, argv: list[str], capsys: pytest.CaptureFixture) -> t
 )  # fmt: skip
 def test_every_command_names_the_flag_an_unknown_one_was_probably_meant_to_be(module, argv, line, capsys):
     assert run_entry_point(module, argv, capsys) == (2, "", f"error: unknown argument {line}\n")
+
+
+NAME = "n" * 256  # one byte more than a file or folder name may have
+NAME_LINE = (
+    "holds a name of 256 bytes ('nnnnnnnnnnnnnnnnnnnnnnnn...'), more than the 255 a file or folder name may have"
+)
+DEEP = "/".join(["d" * 200] * 21)  # every name short enough, the whole path too long
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [
+        (train, ["--output_dir", NAME], f"--output_dir: 'output_dir' {NAME_LINE}; use a shorter one"),
+        (train, ["--output_dir", DEEP], "--output_dir: 'output_dir' is "),
+        (train, ["--project_name", NAME], f"--project_name: 'project_name' {NAME_LINE}; use a shorter one"),
+        (train, ["--dataset_name", NAME], f"--dataset_name: 'dataset_name' {NAME_LINE}; use a shorter one"),
+        (train, ["--resume", NAME], f"--resume_from_checkpoint: 'resume_from_checkpoint' {NAME_LINE}"),
+        (train, ["--config", NAME], f"--config: the path {NAME_LINE}; use a shorter one"),
+        (train, ["--config", "config.yaml"], f"config file config.yaml: 'output_dir' {NAME_LINE}; use a shorter one"),
+        (evaluate, ["--model", NAME], f"argument --model: the path {NAME_LINE}; use a shorter one (see --help)"),
+        (predict, ["--model", "run", f"{NAME}.png"], "argument images: the path holds a name of 260 bytes"),
+        (export, ["--model", "run", "--output", f"{NAME}.onnx"], "argument --output: the path holds a name of 261"),
+        (compare, ["--output_dir", NAME], f"argument --output_dir: the path {NAME_LINE}; use a shorter one"),
+    ],
+    ids=["output-dir", "output-dir-deep", "project-name", "dataset", "resume", "config", "config-file", "evaluate",
+         "predict", "export", "compare"],
+)  # fmt: skip
+def test_every_path_too_long_for_the_file_system_is_refused_naming_its_flag(module, argv, line, capsys, tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """Every file call on such a path fails with 'File name too long': each command refuses it first, in one line
+    naming the flag, where it stopped at the first call with OSError's own words, exit 1."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yaml").write_text(f"output_dir: runs/{NAME}\n")
+    code, out, err = run_entry_point(module, argv, capsys)
+    assert (code, out) == (2, "") and err.startswith(f"error: {line}") and err.count("\n") == 1, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml"]  # nothing made
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, "forked"])
