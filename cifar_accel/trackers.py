@@ -198,6 +198,36 @@ class ContinuedRun(GeneralTracker):
         self.wrapped.finish()
 
 
+def continued_runs(output_dir: Path, resumed_step: int) -> dict[str, str]:
+    """The tracker runs (tracker -> run id) that a run resumed at optimizer step ``resumed_step`` continues: those
+    the interrupted run in ``output_dir`` recorded; none for a new run."""
+    runs_file = output_dir / LOGS_DIR / TRACKER_RUNS_FILE
+    return json.loads(runs_file.read_text()) if resumed_step and runs_file.is_file() else {}
+
+
+def check_continued_runs(accelerator: Accelerator, output_dir: Path, resumed_step: int) -> None:
+    """Before any work: the MLflow run that a resumed run continues is in the store it logs to now, where MLflow
+    would fail to start it, once the data were loaded. It is not there where MLFLOW_TRACKING_URI has changed since
+    the run began, or the MLflow run was deleted."""
+    run_id = continued_runs(output_dir, resumed_step).get("mlflow")
+    if not (run_id and LoggerType.MLFLOW in accelerator.log_with and accelerator.is_main_process):
+        return
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        state = MlflowClient().get_run(run_id).info.lifecycle_stage
+    except MlflowException:
+        state = "missing"
+    if state != "active":
+        raise InputError(
+            f"the run continues MLflow run {run_id}, which the store MLFLOW_TRACKING_URI="
+            f"{os.environ['MLFLOW_TRACKING_URI']!r} holds {'as deleted' if state == 'deleted' else 'nowhere'}; set "
+            f"MLFLOW_TRACKING_URI to the store the run began in, or delete {output_dir / LOGS_DIR / TRACKER_RUNS_FILE} "
+            "to log the rest of the run to a new MLflow run"
+        )
+
+
 def mlflow_logged_through(run_id: str) -> dict[str, int]:
     """Each metric the MLflow run holds, with the last step it holds."""
     from mlflow.tracking import MlflowClient
@@ -212,7 +242,7 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
     (``ContinuedRun``) and TensorBoard purges what came after the checkpoint, so every tracker holds each step
     once. Only the main process has trackers."""
     runs_file = output_dir / LOGS_DIR / TRACKER_RUNS_FILE
-    continued = json.loads(runs_file.read_text()) if resumed_step and runs_file.is_file() else {}
+    continued = continued_runs(output_dir, resumed_step)
     accelerator.init_trackers(
         config.project_name, init_kwargs=tracker_init_kwargs(config, output_dir, resumed_step, continued)
     )

@@ -88,6 +88,7 @@ from cifar_accel.state import RunResults, TrainerState
 from cifar_accel.stopping import StopRequest
 from cifar_accel.telemetry import run_results
 from cifar_accel.trackers import (
+    check_continued_runs,
     check_trackers,
     requested_trackers,
     start_trackers,
@@ -183,6 +184,7 @@ def set_up_run(
         check_resume(resume_path, resumed, fingerprint, accelerator.num_processes)
         if not config.max_train_steps:  # a run of --max_train_steps resumes with its own, as the fingerprint holds
             check_resumed_epochs(resume_path, resumed, config.num_train_epochs)
+        check_continued_runs(accelerator, output_dir, resumed.global_step)
 
     if config.torch_compile and accelerator.device.type == "cpu":
         check_cpp_compiler()

@@ -3,6 +3,7 @@ config as TensorBoard."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from cifar_accel.config import load_config
 from cifar_accel.errors import RunFault
 from cifar_accel.trackers import requested_trackers, start_trackers, tensorboard_dir, tracker_config
 
-from conftest import read_results, reset_accelerate_state, run_cli, tiny_args
+from conftest import read_results, reset_accelerate_state, run_cli, snapshot, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -280,3 +281,36 @@ def test_a_run_that_does_not_finish_says_so_in_mlflow_and_its_resume_finishes_th
     assert train_here([*args, "--resume_from_checkpoint", "latest"]).returncode == 0
     (resumed,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert (resumed.info.run_id, resumed.info.status) == (run.info.run_id, "FINISHED")
+
+
+def test_a_resume_whose_mlflow_run_is_not_in_the_store_is_refused_before_any_work(
+    tiny_dataset, train_here, tmp_path, monkeypatch
+):
+    """MLflow would fail to start the run it continues once the data were loaded: the store changed since the run
+    began, or the MLflow run was deleted."""
+    store, other = (tmp_path / "mlruns").as_uri(), (tmp_path / "other").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--report_to", "mlflow", "--checkpointing_steps", "3")
+    assert train_here(args, bookkeeper_type=StopOrFailAtStep5).returncode == 143
+    run_id = json.loads((out / "logs" / "tracker_runs.json").read_text())["mlflow"]
+    before = snapshot(out)
+    resume = [*args, "--resume_from_checkpoint", "latest"]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    proc = train_here(resume)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: the run continues MLflow run {run_id}, which the store MLFLOW_TRACKING_URI='{other}' holds nowhere; "
+        f"set MLFLOW_TRACKING_URI to the store the run began in, or delete {out / 'logs' / 'tracker_runs.json'} to "
+        "log the rest of the run to a new MLflow run\n"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    MlflowClient().delete_run(run_id)
+    proc = train_here(resume)
+    assert proc.returncode == 2 and f"MLFLOW_TRACKING_URI='{store}' holds as deleted; set" in proc.stderr
+    assert snapshot(out) == before
+
+    MlflowClient().restore_run(run_id)
+    assert train_here(resume).returncode == 0
+    assert MlflowClient().get_run(run_id).info.status == "FINISHED"
