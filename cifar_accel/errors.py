@@ -204,6 +204,7 @@ class Stdout:
 def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` with ``sys.stdout`` a ``Stdout``, and turn exceptions into the exit-code contract: one
     line on stderr for a failure, with at most ``MAX_ERROR_CHARACTERS`` characters."""
+    open_closed_std_streams()
     stdout, raise_exceptions = sys.stdout, logging.raiseExceptions
     sys.stdout = ours = Stdout(stdout)
     try:
@@ -214,6 +215,21 @@ def run_cli(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = 
         return code
     finally:
         sys.stdout, logging.raiseExceptions = stdout, raise_exceptions
+
+
+def open_closed_std_streams() -> None:
+    """Point a standard output or error that the command was started without (``>&-``) at /dev/null, as daemons
+    do: Python would leave ``sys.stdout`` None, which every log line would fail on with a traceback on stderr, and
+    the first file the command opens would take its descriptor, where a C library's output would then land."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "w", closefd=False))  # open as long as the process runs
 
 
 def print_error(line: str) -> None:

@@ -943,6 +943,27 @@ def test_stdout_on_a_full_disk_is_one_line_and_exit_code_1(finished_run, tiny_da
     )
 
 
+@pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
+def test_a_command_started_with_stdout_or_stderr_closed_runs_as_with_dev_null(finished_run, tiny_dataset, cli_env,
+                                                                              tmp_path, fd):  # fmt: skip
+    """``train >&-`` (or ``2>&-``): Python leaves ``sys.stdout`` None, where every log line printed a traceback on
+    stderr, and a refusal with stderr closed gave exit code 1, not 2."""
+    make_images(1, 0)[0][0].save(tmp_path / "one.png")
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        closed = ["sh", "-c", f'exec "$@" {fd}>&-', "sh", sys.executable, "-m", *argv]  # the shell closes it
+        return subprocess.run(closed, env=cli_env, capture_output=True, text=True, timeout=300)
+
+    trained = run("cifar_accel.train", *tiny_args(tiny_dataset, tmp_path / "run"))
+    refused = run("cifar_accel.train", *tiny_args(tiny_dataset, tmp_path / "refused"), "--bogus")
+    predicted = run("cifar_accel.predict", "--model", str(finished_run), str(tmp_path / "one.png"))
+    assert (trained.returncode, refused.returncode, predicted.returncode) == (0, 2, 0)
+    assert read_results(tmp_path / "run")["epochs_completed"] == 1 and not (tmp_path / "refused").exists()
+    if fd == 1:
+        assert (trained.stderr, predicted.stderr) == ("", "")
+        assert refused.stderr == "error: unknown argument '--bogus' (see --help)\n"
+
+
 class SignalAfterTheLastEpoch(RunBookkeeper):
     def end_epoch(self, train: dict, val: dict):
         record = super().end_epoch(train, val)
