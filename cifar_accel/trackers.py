@@ -16,8 +16,8 @@ from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
 from cifar_accel.config import TrainConfig
-from cifar_accel.errors import InputError, Stopped, one_line
-from cifar_accel.outputs import LOGS_DIR, write_atomic
+from cifar_accel.errors import InputError, RunFault, Stopped, one_line
+from cifar_accel.outputs import LOGS_DIR, fix_for, write_atomic
 
 logger = logging.getLogger(__name__)  # not Accelerate's: the trackers are checked before the Accelerator exists
 
@@ -272,6 +272,17 @@ def trackers_ended_with_the_run(accelerator: Accelerator) -> Iterator[None]:
                 else:
                     tracker.finish()
         raise
+
+
+def tracker_write_fault(err: OSError, output_dir: Path, last_checkpoint: Path | None) -> RunFault:
+    """The line for a write of the trackers that failed: TensorBoard's writer may name no file, or name it in bytes.
+    The run resumes from its newest checkpoint, unless that is gone with the folder."""
+    written = os.fsdecode(err.filename) if err.filename else f"the tracker files in {output_dir / LOGS_DIR}"
+    resumable = last_checkpoint is not None and last_checkpoint.is_dir()
+    return RunFault(
+        f"writing {written} failed ({err.strerror or err}); {fix_for(err)}, then "
+        + ("resume with --resume_from_checkpoint latest" if resumable else "run again")
+    )
 
 
 def tensorboard_dir(output_dir: Path, project_name: str) -> Path:

@@ -62,7 +62,6 @@ from cifar_accel.outputs import (
     check_earlier_run,
     exclusive_output_dir,
     export_weights,
-    fix_for,
     remove_discarded_runs,
     set_aside_earlier_run,
     writable_output_dir,
@@ -93,6 +92,7 @@ from cifar_accel.trackers import (
     requested_trackers,
     start_trackers,
     tracker_config,
+    tracker_write_fault,
     trackers_ended_with_the_run,
 )
 from cifar_accel.transforms import BatchTransform, TrainingTransform
@@ -506,12 +506,8 @@ def run_training(
                         results = finish_run(run)
                         stopping = stop.requested(accelerator)
                         accelerator.end_training()  # flushes the trackers, ends the process group of several processes
-                    except OSError as err:  # a write of the trackers: TensorBoard's writer fails without a file name
-                        raise RunFault(
-                            f"writing {err.filename or f'the tracker files in {output_dir / LOGS_DIR}'} failed "
-                            f"({err.strerror or err}); {fix_for(err)}, then "
-                            + ("resume with --resume_from_checkpoint latest" if books.last_checkpoint else "run again")
-                        ) from None
+                    except OSError as err:  # a write of the trackers
+                        raise tracker_write_fault(err, output_dir, books.last_checkpoint) from None
                 if config.push_to_hub and accelerator.is_main_process and not stopping:
                     logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
                 if stopping:

@@ -964,6 +964,36 @@ def test_a_command_started_with_stdout_or_stderr_closed_runs_as_with_dev_null(fi
         assert refused.stderr == "error: unknown argument '--bogus' (see --help)\n"
 
 
+class DeleteAtStep(RunBookkeeper):
+    """Deletes the run's folder, or its logs/, after optimizer step 11, once checkpoint step_00000010 is saved."""
+
+    what = "."
+
+    def count_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().count_step(loss, grad_norm)
+        if self.state.global_step == 11:
+            shutil.rmtree(self.run.output_dir / self.what)
+
+
+@pytest.mark.parametrize(
+    ("what", "then"), [(".", "run again"), ("logs", "resume with --resume_from_checkpoint latest")]
+)
+def test_a_run_whose_folder_is_deleted_under_it_names_the_file_and_what_is_left(tiny_dataset, train_here, tmp_path,
+                                                                                monkeypatch, what, then):  # fmt: skip
+    """TensorBoard's writer names its file in bytes (b'...'), and the line advised a resume from a checkpoint that
+    went with the folder."""
+    monkeypatch.setattr(DeleteAtStep, "what", what)
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--num_train_epochs", "3", "--checkpointing_steps", "5", "--logging_steps", "1")
+    proc = train_here(args, bookkeeper_type=DeleteAtStep)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: writing {out / 'logs' / 'cifar_accel' / 'events.out.tfevents.'}")
+    assert line.endswith(f" failed (No such file or directory); check that folder, then {then}")
+    if what == "logs":
+        assert train_here([*args, "--resume_from_checkpoint", "latest"]).returncode == 0
+
+
 class SignalAfterTheLastEpoch(RunBookkeeper):
     def end_epoch(self, train: dict, val: dict):
         record = super().end_epoch(train, val)
