@@ -257,9 +257,11 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
 
 @contextlib.contextmanager
 def trackers_ended_with_the_run(accelerator: Accelerator) -> Iterator[None]:
-    """Around a run whose trackers the body starts: a run that raises ends them too, and its MLflow run says how it
-    ended, KILLED when a signal stopped it (resumable), FAILED otherwise, as ``mlflow.start_run`` as a context
-    does; MLflow's own exit hook would mark it FINISHED. Ending them cannot hide the run's own error."""
+    """Around a run whose trackers the body starts: a run that raises ends its MLflow run saying how it ended,
+    KILLED when a signal stopped it (resumable), FAILED otherwise, as ``mlflow.start_run`` as a context does
+    (MLflow's own exit hook would mark it FINISHED), and closes TensorBoard's writer. The other trackers' libraries
+    end their runs at exit, where they see the exit code (W&B marks a run failed by it); a ``finish()`` here would
+    mark them finished. Ending them cannot hide the run's own error."""
     try:
         yield
     except BaseException as err:
@@ -269,7 +271,7 @@ def trackers_ended_with_the_run(accelerator: Accelerator) -> Iterator[None]:
                     import mlflow
 
                     mlflow.end_run(status="KILLED" if isinstance(err, Stopped) else "FAILED")
-                else:
+                elif tracker.name == "tensorboard":
                     tracker.finish()
         raise
 
