@@ -116,12 +116,19 @@ SET_PER_RUN = {  # training flags that compare gives each run, with what to give
 }
 
 
-def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
-    """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen."""
+def check_train_args(args: argparse.Namespace, train_args: list[str], config: TrainConfig) -> None:
+    """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen, and a
+    push to the Hub, where the runs would overwrite each other."""
     given = given_flags(train_args)
     for name, fix in SET_PER_RUN.items():
         if name in given:
             raise InputError(f"--{name} {given[name]} is not for compare; {fix.format(value=given[name])}")
+    if config.push_to_hub:
+        raise InputError(
+            "push_to_hub is not for compare: every run would push to the one Hub repository of --hub_model_id, or to "
+            "one named after its folder, such as no_seed42, over the others; leave it out, and upload the run you "
+            "pick afterwards with hf upload"
+        )
     for seed in args.seeds:
         check_field("seed", seed, "--seeds")
     for flag, values in (("--precisions", args.precisions), ("--seeds", args.seeds)):
@@ -576,7 +583,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
-    check_train_args(args, train_args)
+    check_train_args(args, train_args, config)
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report

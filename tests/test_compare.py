@@ -361,6 +361,13 @@ def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_pat
     assert not any((tmp_path / "out").glob("*_seed*"))
 
 
+PUSH = (
+    "push_to_hub is not for compare: every run would push to the one Hub repository of --hub_model_id, or to one "
+    "named after its folder, such as no_seed42, over the others; leave it out, and upload the run you pick "
+    "afterwards with hf upload"
+)
+
+
 @pytest.mark.parametrize(
     "flags, fix",
     [
@@ -373,10 +380,15 @@ def test_a_bad_training_flag_stops_before_any_run(tiny_dataset, cli_env, tmp_pat
         (["--seeds", "1", "-4"], "--seeds: 'seed' must be >= 0, got -4"),
         (["--seeds", "0", "2", "0"], "--seeds lists 0 more than once; give each once"),
         (["--precisions", "bf16", "no", "bf16"], "--precisions lists bf16 more than once; give each once"),
+        (["--push_to_hub", "--hub_model_id", "me/cifar"], PUSH),
+        (["--config", "{tmp}/push.yaml"], PUSH),
     ],
 )  # fmt: skip
 def test_training_flags_that_compare_sets_per_run_are_refused_with_its_own(tiny_dataset, tmp_path, capsys, flags, fix):
-    """Each run's own --seed, --mixed_precision and --resume_from_checkpoint come last and would win unseen."""
+    """Each run's own --seed, --mixed_precision and --resume_from_checkpoint come last and would win unseen; every
+    run would push to the Hub over the others (from a flag or a config file)."""
+    (tmp_path / "push.yaml").write_text("push_to_hub: true\n")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
     assert run_in_process(compare_cli, [*compare_args(tiny_dataset, tmp_path / "out"), *flags]) == 2
     assert capsys.readouterr().err == f"error: {fix}\n"
     assert not (tmp_path / "out").exists()
