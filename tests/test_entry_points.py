@@ -124,6 +124,14 @@ def test_every_path_too_long_for_the_file_system_is_refused_naming_its_flag(modu
     assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml"]  # nothing made
 
 
+def test_load_model_refuses_a_path_too_long_for_the_file_system(tmp_path):
+    """As the commands' --model does, where it raised OSError's 'File name too long'."""
+    for path, words in ((NAME, NAME_LINE), (DEEP, "is ")):
+        with pytest.raises(InputError) as refused:
+            load_model(path)
+        assert str(refused.value).startswith(f"the path {words}") and str(refused.value).endswith("use a shorter one")
+
+
 @pytest.mark.parametrize("shape", [*SHAPES, "forked"])
 def test_evaluate_reproduces_the_runs_test_accuracy_from_the_folder_and_from_its_best_checkpoint(runs, shape, capsys):
     run, results = runs[shape], read_results(runs[shape])
