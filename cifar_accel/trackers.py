@@ -172,6 +172,10 @@ def tracker_init_kwargs(
 TRACKER_RUNS_FILE = "tracker_runs.json"  # in logs/: the MLflow run a resumed run continues
 
 
+def tracker_runs_file(output_dir: Path) -> Path:
+    return output_dir / LOGS_DIR / TRACKER_RUNS_FILE
+
+
 class ContinuedRun(GeneralTracker):
     """A tracker run that a resumed training run continues. It holds the points the interrupted run logged, each
     metric up to its own last step in ``logged_through`` (metric -> step), some of them after the checkpoint: those
@@ -201,7 +205,7 @@ class ContinuedRun(GeneralTracker):
 def continued_runs(output_dir: Path, resumed_step: int) -> dict[str, str]:
     """The tracker runs (tracker -> run id) that a run resumed at optimizer step ``resumed_step`` continues: those
     the interrupted run in ``output_dir`` recorded; none for a new run."""
-    runs_file = output_dir / LOGS_DIR / TRACKER_RUNS_FILE
+    runs_file = tracker_runs_file(output_dir)
     return json.loads(runs_file.read_text()) if resumed_step and runs_file.is_file() else {}
 
 
@@ -223,7 +227,7 @@ def check_continued_runs(accelerator: Accelerator, output_dir: Path, resumed_ste
         raise InputError(
             f"the run continues MLflow run {run_id}, which the store MLFLOW_TRACKING_URI="
             f"{os.environ['MLFLOW_TRACKING_URI']!r} holds {'as deleted' if state == 'deleted' else 'nowhere'}; set "
-            f"MLFLOW_TRACKING_URI to the store the run began in, or delete {output_dir / LOGS_DIR / TRACKER_RUNS_FILE} "
+            f"MLFLOW_TRACKING_URI to the store the run began in, or delete {tracker_runs_file(output_dir)} "
             "to log the rest of the run to a new MLflow run"
         )
 
@@ -241,7 +245,6 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
     """Start the trackers with the config. A new run records its MLflow run id; a resumed one continues that run
     (``ContinuedRun``) and TensorBoard purges what came after the checkpoint, so every tracker holds each step
     once. Only the main process has trackers."""
-    runs_file = output_dir / LOGS_DIR / TRACKER_RUNS_FILE
     continued = continued_runs(output_dir, resumed_step)
     accelerator.init_trackers(
         config.project_name, init_kwargs=tracker_init_kwargs(config, output_dir, resumed_step, continued)
@@ -252,7 +255,7 @@ def start_trackers(accelerator: Accelerator, config: TrainConfig, output_dir: Pa
         else:
             tracker.store_init_configuration(tracker_config(config))
         if tracker.name == "mlflow" and accelerator.is_main_process:
-            write_atomic(runs_file, json.dumps({"mlflow": tracker.tracker.info.run_id}))
+            write_atomic(tracker_runs_file(output_dir), json.dumps({"mlflow": tracker.tracker.info.run_id}))
 
 
 @contextlib.contextmanager
