@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cifar_accel.errors import ArgumentParser, InputError, suggest, too_long
+from cifar_accel.errors import ArgumentParser, InputError, not_text, path_problem, suggest
 from cifar_accel.models import MODELS
 from cifar_accel.schema import check_value, quote
 
@@ -535,8 +535,8 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     )
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
-    if FIELDS[name].metadata["path"] and value is not None and (problem := too_long(os.path.expanduser(value))):
-        raise InputError(f"{origin}: '{name}' {problem}; use a shorter one")
+    if FIELDS[name].metadata["path"] and value is not None and (problem := path_problem(os.path.expanduser(value))):
+        raise InputError(f"{origin}: '{name}' {problem}")
     return value
 
 
@@ -656,8 +656,8 @@ def config_path(spec: str) -> Path:
     if spec in preset_names():
         return PRESETS_DIR / f"{spec}.yaml"
     path = Path(spec).expanduser()
-    if problem := too_long(str(path)):
-        raise InputError(f"--config: the path {problem}; use a shorter one")
+    if problem := path_problem(str(path)):
+        raise InputError(f"--config: the path {problem}")
     if not path.exists() and "/" not in spec and not spec.endswith((".yaml", ".yml")):
         raise InputError(
             f"--config '{quote(spec)[1:-1]}' is neither a preset ({', '.join(preset_names())}) nor a file; pass a "
@@ -738,7 +738,12 @@ def dataset_location(name: str) -> str:
     """A --dataset_name as a run records it: a local path that exists as an absolute one, so that evaluate and
     export find it from any folder; a Hub id (or a path that does not exist, refused later) as it is."""
     local = Path(name).expanduser()
-    return str(local.resolve()) if looks_like_path(name) and local.exists() else name
+    if not (looks_like_path(name) and local.exists()):
+        return name
+    location = str(local.resolve())
+    if problem := not_text(location):  # the current folder's name, or a link's target
+        raise InputError(f"--dataset_name: the absolute path of {quote(name)} {problem}")
+    return location
 
 
 def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import io
 import logging
 import os
 import sys
@@ -74,6 +75,35 @@ def non_empty(value: str) -> str:
 NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's file systems' limit on one name, and the kernel's on a path
 
 
+def path_problem(path: str, text: bool = True) -> str | None:
+    """What makes ``path`` unusable as a run's path, with what to do instead; None where nothing does. A path too
+    long for the file system fails every file call with 'File name too long'. A name that is not UTF-8 text, which
+    Linux allows (a folder copied from an older system), cannot be written into the files that record a run's
+    paths (config.yaml, the JSON files), nor opened by safetensors or datasets; ``text=False`` lets it pass."""
+    if text and (problem := not_text(path)):
+        return problem
+    if problem := too_long(path):
+        return f"{problem}; use a shorter one"
+    return None
+
+
+def not_text(path: str) -> str | None:
+    """Why ``path`` cannot be written as UTF-8 text; None where it can."""
+    for name in path.split("/"):
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that the file system encoding could not read, kept as surrogates
+            raw = os.fsencode(name)
+            try:
+                return (
+                    f"holds a name ('{raw.decode('utf-8')}') that Python reads as {sys.getfilesystemencoding()} here; "
+                    "set PYTHONUTF8=1 or a UTF-8 locale (LANG=C.UTF-8)"
+                )
+            except UnicodeDecodeError:
+                return f"holds a name that is not UTF-8 text ('{raw.decode('utf-8', 'backslashreplace')}'); rename it"
+    return None
+
+
 def too_long(path: str) -> str | None:
     """Why ``path`` is too long to be a path here, where every file call on it would fail with 'File name too
     long'; None where it is not."""
@@ -92,10 +122,21 @@ def too_long(path: str) -> str | None:
 
 def user_path(value: str) -> str:
     """An argparse type for paths (and dataset names, which may be paths): ``non_empty``, with a leading ~ expanded
-    as the shell would have, had it not been in ``--flag=~/...``, in quotes or in a config file, and not too long."""
+    as the shell would have, had it not been in ``--flag=~/...``, in quotes or in a config file, and without a
+    ``path_problem``."""
+    return _checked_path(value, text=True)
+
+
+def image_path(value: str) -> str:
+    """``user_path`` for the images ``predict`` only reads and names: PIL opens a name of any bytes, and the output
+    shows it (see ``Stdout``); too long a path is still refused."""
+    return _checked_path(value, text=False)
+
+
+def _checked_path(value: str, text: bool) -> str:
     path = os.path.expanduser(non_empty(value))
-    if problem := too_long(path):
-        raise argparse.ArgumentTypeError(f"the path {problem}; use a shorter one")
+    if problem := path_problem(path, text):
+        raise argparse.ArgumentTypeError(f"the path {problem}")
     return path
 
 
@@ -157,9 +198,13 @@ class Stdout:
     """``sys.stdout`` of a command, which outlives its reader. When the reader goes away (``| head``), the rest goes
     to /dev/null (file descriptor 1 is pointed there, as the Python docs advise for a BrokenPipeError) and
     ``on_reader_gone`` is called once: a training run then stops as SIGPIPE would, with a checkpoint (see
-    ``StopRequest``); the other commands finish quietly."""
+    ``StopRequest``); the other commands finish quietly. A character the stream's encoding cannot hold (a path that
+    is not UTF-8, a class name outside ASCII under ``PYTHONIOENCODING=ascii``) is written as a backslash escape, as
+    Python writes it on stderr, where a strict stream would fail the write."""
 
     def __init__(self, stream: typing.TextIO) -> None:
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
         self.stream, self.reader_gone = stream, False
         self.on_reader_gone: Callable[[], None] = lambda: None
         self.failure: RunFault | None = None  # a write that failed otherwise (a full disk), reported at the end

@@ -25,7 +25,7 @@ from cifar_accel.checkpoint import STATE_FILE, checkpoints_within, validated_wei
 from cifar_accel.config import TestTimeAugmentation, TrainConfig, read_config_file
 from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
-from cifar_accel.errors import InputError, one_line, too_long
+from cifar_accel.errors import InputError, one_line, path_problem
 from cifar_accel.models import build_model
 from cifar_accel.outputs import (
     CONFIG_FILE,
@@ -186,8 +186,8 @@ def load_model(path: str | Path) -> TrainedModel:
     architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names. A
     checkpoint gives the weights its validation measured: their average, in a run with --ema_decay."""
     path = Path(path).expanduser()
-    if problem := too_long(str(path)):
-        raise InputError(f"the path {problem}; use a shorter one")
+    if problem := path_problem(str(path)):
+        raise InputError(f"the path {problem}")
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
         aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""

@@ -19,7 +19,7 @@ from PIL import Image
 
 from cifar_accel.config import Precision, check_field
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import ArgumentParser, InputError, one_line, run_cli, user_path
+from cifar_accel.errors import ArgumentParser, InputError, image_path, one_line, run_cli, user_path
 from cifar_accel.inference import add_tta_flags, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
@@ -32,7 +32,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "images",
         nargs="+",
-        type=user_path,
+        type=image_path,
         help="Image files, or folders whose images (not their subfolders') are all classified.",
     )
     parser.add_argument(

@@ -5,7 +5,9 @@ forked from another folder's checkpoint. Each must agree with what the run itsel
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +132,48 @@ def test_load_model_refuses_a_path_too_long_for_the_file_system(tmp_path):
         with pytest.raises(InputError) as refused:
             load_model(path)
         assert str(refused.value).startswith(f"the path {words}") and str(refused.value).endswith("use a shorter one")
+
+
+NOT_UTF8 = os.fsdecode(b"runs_\xe9")  # a Latin-1 name, as Linux allows: 'runs_\udce9' to Python
+NOT_UTF8_LINE = "holds a name that is not UTF-8 text ('runs_\\xe9'); rename it"
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [
+        (train, ["--output_dir", NOT_UTF8], f"--output_dir: 'output_dir' {NOT_UTF8_LINE}"),
+        (train, ["--dataset_name", f"{NOT_UTF8}/data"], f"--dataset_name: 'dataset_name' {NOT_UTF8_LINE}"),
+        (train, ["--resume", f"{NOT_UTF8}/checkpoints/step_1"], f"--resume_from_checkpoint: 'resume_from_checkpoint' "
+                                                                 f"{NOT_UTF8_LINE}"),
+        (train, ["--config", f"{NOT_UTF8}/config.yaml"], f"--config: the path {NOT_UTF8_LINE}"),
+        (train, ["--dataset_name", "data"], f"--dataset_name: the absolute path of 'data' {NOT_UTF8_LINE}"),
+        (evaluate, ["--model", NOT_UTF8], f"argument --model: the path {NOT_UTF8_LINE} (see --help)"),
+        (predict, ["--model", NOT_UTF8, "cat.png"], f"argument --model: the path {NOT_UTF8_LINE} (see --help)"),
+        (export, ["--model", "run", "--output", f"{NOT_UTF8}.onnx"],
+         "argument --output: the path holds a name that is not UTF-8 text ('runs_\\xe9.onnx'); rename it (see --help)"),
+        (compare, ["--output_dir", NOT_UTF8], f"argument --output_dir: the path {NOT_UTF8_LINE} (see --help)"),
+    ],
+    ids=["output-dir", "dataset", "resume", "config", "dataset-through-link", "evaluate", "predict", "export",
+         "compare"],
+)  # fmt: skip
+def test_every_path_that_is_not_utf8_is_refused_naming_its_flag(module, argv, line, tiny_dataset, capsys, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """A run records its paths as text, and safetensors, datasets and onnxruntime take only UTF-8 ones: such a path
+    failed after the run had written its first files ('surrogates not allowed', exit 1), as safetensors weights
+    'damaged or cut short', or with onnxruntime's TypeError. ``data`` links to a dataset inside a folder whose
+    name is not UTF-8, which the run would record as its absolute path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / NOT_UTF8).mkdir()
+    shutil.copytree(tiny_dataset, tmp_path / NOT_UTF8 / "data")
+    (tmp_path / "data").symlink_to(tmp_path / NOT_UTF8 / "data")
+    code, out, err = run_entry_point(module, argv, capsys)
+    # compared as bytes: a failure's report must not hold the surrogate, which pytest-xdist cannot send
+    assert (code, out, os.fsencode(err)) == (2, "", f"error: {line}\n".encode())
+    assert sorted(map(os.fsencode, os.listdir(tmp_path))) == [b"data", b"runs_\xe9"]  # nothing made
+    assert os.listdir(tmp_path / NOT_UTF8) == ["data"]
+    with pytest.raises(InputError) as refused:
+        load_model(NOT_UTF8)
+    assert os.fsencode(str(refused.value)) == f"the path {NOT_UTF8_LINE}".encode()
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, "forked"])

@@ -964,6 +964,34 @@ def test_a_command_started_with_stdout_or_stderr_closed_runs_as_with_dev_null(fi
         assert refused.stderr == "error: unknown argument '--bogus' (see --help)\n"
 
 
+def test_names_a_stream_or_the_locale_cannot_encode(finished_run, tiny_dataset, cli_env, tmp_path):
+    """An image whose name is not UTF-8 (Linux allows any bytes) is classified under a strict UTF-8 stdout (as
+    en_US.UTF-8 gives), where its line failed with 'surrogates not allowed', exit 1; a run into a folder named
+    outside ASCII with PYTHONIOENCODING=ascii logs its last line, where the logging module printed a traceback; and
+    in an ASCII locale without Python's UTF-8 mode, where Python cannot read such a name as text, the run is
+    refused in one line that says how to run it, where it failed after writing its first files."""
+    image = tmp_path / os.fsdecode(b"cat_\xe9.png")
+    make_images(1, 0)[0][0].save(image)
+
+    def run(env: dict[str, str], *argv: str | Path) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", *map(str, argv)]
+        return subprocess.run(command, env={**cli_env, **env}, capture_output=True, timeout=300)
+
+    predicted = run({"PYTHONIOENCODING": "utf-8:strict"}, "cifar_accel.predict", "--model", finished_run, image)
+    assert (predicted.returncode, predicted.stderr) == (0, b"")
+    assert predicted.stdout.startswith(f"{tmp_path}/cat_\\udce9.png: ".encode())
+    trained = run({"PYTHONIOENCODING": "ascii"}, "cifar_accel.train", *tiny_args(tiny_dataset, tmp_path / "runs_é"))
+    assert (trained.returncode, trained.stderr) == (0, b"")
+    assert f"are in {tmp_path}/runs_\\xe9\n".encode() in trained.stdout
+    ascii_locale = {"LC_ALL": "C", "PYTHONUTF8": "0"}
+    refused = run(ascii_locale, "cifar_accel.train", *tiny_args(tiny_dataset, tmp_path / "runs_ë"))
+    assert (refused.returncode, refused.stdout) == (2, b"") and not (tmp_path / "runs_ë").exists()
+    assert refused.stderr == (
+        b"error: --output_dir: 'output_dir' holds a name ('runs_\\xeb') that Python reads as ascii here; set "
+        b"PYTHONUTF8=1 or a UTF-8 locale (LANG=C.UTF-8)\n"
+    )
+
+
 class DeleteAtStep(RunBookkeeper):
     """Deletes the run's folder, or its logs/, after optimizer step 11, once checkpoint step_00000010 is saved."""
 
