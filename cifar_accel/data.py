@@ -13,7 +13,9 @@ import io
 import json
 import logging
 import math
+import os
 import time
+import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +28,12 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
-from cifar_accel.errors import InputError, RunFault, one_line
+from cifar_accel.errors import InputError, RunFault, not_text, one_line
 from cifar_accel.outputs import disk_full, fix_for
 from cifar_accel.progress import progress
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
+
+E = typing.TypeVar("E", bound=BaseException)
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +94,18 @@ def check_dataset_path(dataset_name: str, dataset_flag: str = "--dataset_name") 
         raise InputError(f"dataset path '{dataset_name}' is a file; pass the dataset's folder ({DATASET_LAYOUTS})")
 
 
+def cause_of(err: BaseException, kind: type[E]) -> E | None:
+    """``err``, or the first exception of ``kind`` it was raised from or during (`datasets` wraps its causes)."""
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, kind):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault | None:
     """A failed write to the datasets cache (where load_dataset writes its Arrow files and locks, and decoding its
     tensors) as one line with its fix; ``work`` says what was being written. None for any other failure."""
-    cause = err
-    while cause is not None and not isinstance(cause, OSError):  # `datasets` wraps it
-        cause = cause.__cause__ or cause.__context__
+    cause = cause_of(err, OSError)
     if cause is None:
         return None
     cache = Path(datasets.config.HF_DATASETS_CACHE)
@@ -110,6 +120,16 @@ def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault
             f"the datasets cache {cache} is not writable ({cause.strerror}); set HF_DATASETS_CACHE (or HF_HOME) to "
             "a folder you can write to"
         )
+    return None
+
+
+def name_not_text(folder: Path) -> str | None:
+    """The first file or folder under ``folder`` whose name is not UTF-8 text (its other bytes shown as escapes),
+    relative to it; None where every name is."""
+    for root, folders, files in os.walk(folder):
+        for name in (*folders, *files):
+            if not_text(name):
+                return os.fsencode(Path(root, name).relative_to(folder)).decode("utf-8", "backslashreplace")
     return None
 
 
@@ -135,6 +155,12 @@ def load_raw(
         fault = datasets_cache_fault(err, f"preparing dataset '{dataset_name}'")
         if fault:
             raise fault from None
+        folder = Path(dataset_name).expanduser()
+        if cause_of(err, UnicodeEncodeError) and looks_like_path(dataset_name) and (name := name_not_text(folder)):
+            raise InputError(
+                f"dataset '{dataset_name}' holds '{name}', a name that is not UTF-8 text, which datasets cannot read; "
+                "rename it"
+            ) from None
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
         if not isinstance(err, (FileNotFoundError, ValueError)):

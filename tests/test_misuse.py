@@ -728,6 +728,24 @@ def test_a_broken_file_of_an_image_folder_is_named_by_its_path(train_here, tmp_p
     assert line.endswith("; fix or remove that file")
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "shown"),
+    [
+        ("train/dog/7.png", b"chien_\xe9.png", "train/dog/chien_\\xe9.png"),
+        ("train/dog", b"chien_\xe9", "train/chien_\\xe9"),
+    ],
+    ids=["file", "class"],
+)
+def test_an_image_folder_name_that_is_not_utf8_is_named_by_its_path(train_here, tmp_path, old, new, shown):
+    """`datasets` failed on it with a bare DatasetGenerationError (exit 1)."""
+    root = write_image_folder(tmp_path / "folder", ["cat", "dog"], {"train": 20, "test": 5})
+    (root / old).rename((root / old).with_name(os.fsdecode(new)))
+    proc = train_here(tiny_args(root, tmp_path / "out"))
+    line = f"error: dataset '{root}' holds '{shown}', a name that is not UTF-8 text, which datasets cannot read; "
+    assert (proc.returncode, os.fsencode(one_error_line(proc))) == (2, f"{line}rename it".encode())
+    assert not (tmp_path / "out").exists()
+
+
 # 7. predict and evaluate.
 
 
