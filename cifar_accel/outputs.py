@@ -310,6 +310,11 @@ def writable_output_dir(output_dir: Path, what: str = "output directory", flag: 
     writable. The folders created here go again if the command fails while they are still empty (before its first
     write), so bad input found after they were made leaves nothing behind."""
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
+    if output_dir.resolve() == output_dir.resolve().parent:
+        raise InputError(
+            f"{what} '{output_dir}' is the file system's root, as '$RUNS/' gives where RUNS is not set; choose another "
+            f"{flag}"
+        )
     if output_dir.is_file():
         raise InputError(f"{what} '{output_dir}' is a file; choose another {flag}")
     check_writable(output_dir, what, flag)

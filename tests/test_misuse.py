@@ -31,7 +31,7 @@ from cifar_accel.config import read_config_file
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import MAX_ERROR_CHARACTERS, InputError, RunFault, run_cli
 from cifar_accel.inference import load_model
-from cifar_accel.outputs import REPLACED_RUN, OutputDirLock
+from cifar_accel.outputs import REPLACED_RUN, OutputDirLock, writable_output_dir
 from cifar_accel.state import TrainerState
 
 from conftest import (
@@ -194,6 +194,18 @@ def test_files_of_the_users_with_the_names_a_run_writes_are_refused_and_kept(
         "write there; move them, or pick another --output_dir"
     )
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("root", ["/", "//", "/tmp/.."])
+def test_the_file_systems_root_is_refused_as_an_output_folder(root):
+    """Run as root (in a container), ``train --output_dir "$RUNS/"`` with RUNS not set wrote its files into /, beside
+    the system's folders; ``compare`` goes through the same check."""
+    with pytest.raises(InputError) as refused, writable_output_dir(Path(root)):
+        pass
+    assert str(refused.value) == (
+        f"output directory '{root}' is the file system's root, as '$RUNS/' gives where RUNS is not set; choose "
+        "another --output_dir"
+    )
 
 
 def test_a_folder_with_other_files_of_the_users_takes_a_run_beside_them(tiny_dataset, train_here, tmp_path):
