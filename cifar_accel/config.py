@@ -537,6 +537,8 @@ def check_field(name: str, value: Any, origin: str) -> Any:
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
     if FIELDS[name].metadata["path"] and value is not None and (problem := path_problem(os.path.expanduser(value))):
         raise InputError(f"{origin}: '{name}' {problem}")
+    if isinstance(value, str) and not_text(value):  # config.yaml records it as text; not shown: hub_token is secret
+        raise InputError(f"{origin}: '{name}' is not UTF-8 text; give it in UTF-8 characters")
     return value
 
 

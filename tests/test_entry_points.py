@@ -147,20 +147,23 @@ NOT_UTF8_LINE = "holds a name that is not UTF-8 text ('runs_\\xe9'); rename it"
                                                                  f"{NOT_UTF8_LINE}"),
         (train, ["--config", f"{NOT_UTF8}/config.yaml"], f"--config: the path {NOT_UTF8_LINE}"),
         (train, ["--dataset_name", "data"], f"--dataset_name: the absolute path of 'data' {NOT_UTF8_LINE}"),
+        (train, ["--run_name", NOT_UTF8], "--run_name: 'run_name' is not UTF-8 text; give it in UTF-8 characters"),
+        (train, ["--hub_token", NOT_UTF8], "--hub_token: 'hub_token' is not UTF-8 text; give it in UTF-8 characters"),
         (evaluate, ["--model", NOT_UTF8], f"argument --model: the path {NOT_UTF8_LINE} (see --help)"),
         (predict, ["--model", NOT_UTF8, "cat.png"], f"argument --model: the path {NOT_UTF8_LINE} (see --help)"),
         (export, ["--model", "run", "--output", f"{NOT_UTF8}.onnx"],
          "argument --output: the path holds a name that is not UTF-8 text ('runs_\\xe9.onnx'); rename it (see --help)"),
         (compare, ["--output_dir", NOT_UTF8], f"argument --output_dir: the path {NOT_UTF8_LINE} (see --help)"),
     ],
-    ids=["output-dir", "dataset", "resume", "config", "dataset-through-link", "evaluate", "predict", "export",
-         "compare"],
+    ids=["output-dir", "dataset", "resume", "config", "dataset-through-link", "run-name", "hub-token-not-shown",
+         "evaluate", "predict", "export", "compare"],
 )  # fmt: skip
-def test_every_path_that_is_not_utf8_is_refused_naming_its_flag(module, argv, line, tiny_dataset, capsys, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_every_path_or_text_that_is_not_utf8_is_refused_naming_its_flag(module, argv, line, tiny_dataset, capsys,
+                                                                        tmp_path, monkeypatch):  # fmt: skip
     """A run records its paths as text, and safetensors, datasets and onnxruntime take only UTF-8 ones: such a path
     failed after the run had written its first files ('surrogates not allowed', exit 1), as safetensors weights
-    'damaged or cut short', or with onnxruntime's TypeError. ``data`` links to a dataset inside a folder whose
+    'damaged or cut short', or with onnxruntime's TypeError; so did any other text a run records (the secret
+    hub_token is not shown). ``data`` links to a dataset inside a folder whose
     name is not UTF-8, which the run would record as its absolute path."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / NOT_UTF8).mkdir()
