@@ -33,6 +33,7 @@ ModelName = Literal[tuple(MODELS)]  # the registry's names (cifar_accel/models)
 PRESETS_DIR = Path(__file__).parent / "configs"  # the packaged config files, selectable by name with --config
 DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
 CONFIG_HEADER = "# The effective config of a cifar_accel training run"  # how a run's config.yaml is told from a user's
+SECRET_FIELD = "hub_token"  # never shown: not in config.yaml, the log, the trackers, nor an error line
 
 
 # What a resumed run may do with a field: keep it as the checkpoint has it, or change it.
@@ -425,7 +426,7 @@ class TrainConfig:
     )
     hub_token: str | None = _field(
         None,
-        "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs or trackers.",
+        "A Hub token; default: HF_TOKEN or the cached login. Never written to config.yaml, logs, trackers or errors.",
         resume="may_change",
         plumbing=True,
     )
@@ -433,7 +434,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The values, as config.yaml, the log and the trackers show them: without the Hub token."""
-        return {**dataclasses.asdict(self), "hub_token": None}
+        return {**dataclasses.asdict(self), SECRET_FIELD: None}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -517,6 +518,8 @@ def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word
     if action is None or action.dest not in _TYPES or _unwrap(_TYPES[action.dest])[0] is not str:
         return ""
     flag, value = argv[position - 2], argv[position - 1]
+    if action.dest == SECRET_FIELD:
+        return f"; {flag} takes one value: quote it if both are meant"
     together = f"{value},{word}" if action.dest == "report_to" else shlex.quote(f"{value} {word}")
     return f"; {flag} takes one value, '{value}' here: give {flag} {together} if both are meant"
 
@@ -530,14 +533,18 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     pattern = FIELDS[name].metadata["pattern"]
     if pattern and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # a number of steps written without quotes in YAML
-    value = check_value(
-        _TYPES[name], value, name, lambda problem: InputError(f"{origin}: {problem}"), FIELDS[name].metadata["bounds"]
-    )
+
+    def invalid(problem: str) -> InputError:
+        if name == SECRET_FIELD:  # the problem shows the value
+            return InputError(f"{origin}: '{name}' must be a string that is not empty (the value is not shown)")
+        return InputError(f"{origin}: {problem}")
+
+    value = check_value(_TYPES[name], value, name, invalid, FIELDS[name].metadata["bounds"])
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
     if FIELDS[name].metadata["path"] and value is not None and (problem := path_problem(os.path.expanduser(value))):
         raise InputError(f"{origin}: '{name}' {problem}")
-    if isinstance(value, str) and not_text(value):  # config.yaml records it as text; not shown: hub_token is secret
+    if isinstance(value, str) and not_text(value):  # config.yaml records it as text; not shown, for SECRET_FIELD
         raise InputError(f"{origin}: '{name}' is not UTF-8 text; give it in UTF-8 characters")
     return value
 

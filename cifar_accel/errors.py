@@ -61,7 +61,8 @@ class ArgumentParser(argparse.ArgumentParser):
         was probably meant to be, else ``advice`` for it, else a pointer to --help."""
         word = next((u for u in unknown if u.startswith("-")), unknown[0])
         options = [option for action in self._actions for option in action.option_strings]
-        return f"unknown argument '{word}'" + (suggest(word.split("=")[0], options) or advice(word) or " (see --help)")
+        flag = word.split("=")[0] if word.startswith("-") else word  # not its value: --hub_tokn=hf_... is a secret
+        return f"unknown argument '{flag}'" + (suggest(flag, options) or advice(word) or " (see --help)")
 
 
 def non_empty(value: str) -> str:

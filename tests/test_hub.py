@@ -89,6 +89,31 @@ def test_the_token_is_not_in_the_effective_config():
     assert "hf_secret2" not in config_yaml(config) and "hf_secret2" not in json.dumps(config.to_dict())
 
 
+NOT_SHOWN = "'hub_token' must be a string that is not empty (the value is not shown)"
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "config", "line"),
+    [
+        ("train", ["--hub_tokn=hf_secret3"], "", "unknown argument '--hub_tokn'; did you mean '--hub_token'?"),
+        ("compare", ["--hub_tokn=hf_secret3"], "", "unknown argument '--hub_tokn'; did you mean '--hub_token'?"),
+        ("train", ["--hub_token", "hf_secret3", "extra"], "",
+         "unknown argument 'extra'; --hub_token takes one value: quote it if both are meant"),
+        ("train", ["--config", "c.yaml"], "hub_token: [hf_secret3]\n", f"config file c.yaml: {NOT_SHOWN}"),
+        ("train", ["--config", "c.yaml"], "hub_token: 12345\n", f"config file c.yaml: {NOT_SHOWN}"),
+    ],
+    ids=["misspelt-flag", "compare-misspelt-flag", "two-words", "list-in-config", "number-in-config"],
+)  # fmt: skip
+def test_a_refusal_never_shows_the_token(module, argv, config, line, cli_env, tmp_path):
+    """Each line showed it: the misspelt flag with its value, the value the flag took, the value of the wrong
+    type; stderr goes to CI logs and terminals that others see."""
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(config)
+    proc = run_cli([str(config_file) if a == "c.yaml" else a for a in argv], cli_env, module=f"cifar_accel.{module}")
+    assert (proc.returncode, proc.stderr) == (2, f"error: {line.replace('c.yaml', str(config_file))}\n")
+    assert "secret3" not in proc.stdout and "12345" not in proc.stdout
+
+
 @pytest.fixture(scope="module")
 def run_with_private_files(tiny_dataset, tmp_path_factory) -> Path:
     """A finished run in a project folder that holds the user's own files too (``--output_dir .``)."""
