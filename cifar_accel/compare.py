@@ -117,8 +117,8 @@ SET_PER_RUN = {  # training flags that compare gives each run, with what to give
 
 
 def check_train_args(args: argparse.Namespace, train_args: list[str], config: TrainConfig) -> None:
-    """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen, and a
-    push to the Hub, where the runs would overwrite each other."""
+    """Refuse the training flags that compare sets for each run, which a run would otherwise override unseen, a
+    push to the Hub, where the runs would overwrite each other, and a Hub token, which the report would show."""
     given = given_flags(train_args)
     for name, fix in SET_PER_RUN.items():
         if name in given:
@@ -128,6 +128,11 @@ def check_train_args(args: argparse.Namespace, train_args: list[str], config: Tr
             "push_to_hub is not for compare: every run would push to the one Hub repository of --hub_model_id, or to "
             "one named after its folder, such as no_seed42, over the others; leave it out, and upload the run you "
             "pick afterwards with hf upload"
+        )
+    if config.hub_token is not None:
+        raise InputError(
+            "hub_token is not for compare: it serves only push_to_hub, which compare refuses, and the report would "
+            "show it in the command it records; leave it out"
         )
     for seed in args.seeds:
         check_field("seed", seed, "--seeds")

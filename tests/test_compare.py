@@ -366,6 +366,10 @@ PUSH = (
     "named after its folder, such as no_seed42, over the others; leave it out, and upload the run you pick "
     "afterwards with hf upload"
 )
+TOKEN = (
+    "hub_token is not for compare: it serves only push_to_hub, which compare refuses, and the report would show it in "
+    "the command it records; leave it out"
+)
 
 
 @pytest.mark.parametrize(
@@ -382,11 +386,13 @@ PUSH = (
         (["--precisions", "bf16", "no", "bf16"], "--precisions lists bf16 more than once; give each once"),
         (["--push_to_hub", "--hub_model_id", "me/cifar"], PUSH),
         (["--config", "{tmp}/push.yaml"], PUSH),
+        (["--hub_token", "hf_secret4"], TOKEN),
     ],
 )  # fmt: skip
 def test_training_flags_that_compare_sets_per_run_are_refused_with_its_own(tiny_dataset, tmp_path, capsys, flags, fix):
     """Each run's own --seed, --mixed_precision and --resume_from_checkpoint come last and would win unseen; every
-    run would push to the Hub over the others (from a flag or a config file)."""
+    run would push to the Hub over the others (from a flag or a config file); the report and the log showed a Hub
+    token in the command they record."""
     (tmp_path / "push.yaml").write_text("push_to_hub: true\n")
     flags = [flag.format(tmp=tmp_path) for flag in flags]
     assert run_in_process(compare_cli, [*compare_args(tiny_dataset, tmp_path / "out"), *flags]) == 2
