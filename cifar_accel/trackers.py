@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,12 @@ def check_trackers(trackers: list[str] | str | None, output_dir: Path) -> None:
         check_mlflow_store(output_dir)
 
 
+def without_passwords(text: str) -> str:
+    """``text`` with the password of every URI in it (``postgresql://user:secret@host/db``) shown as ***: refusals
+    name MLFLOW_TRACKING_URI, and MLflow's own errors quote the URL they requested."""
+    return re.sub(r"(\w[\w+.-]*://[^\s/@:]*):[^\s/@]*@", r"\1:***@", text)
+
+
 def check_mlflow_store(output_dir: Path) -> None:
     """MLflow's store must be one it can open here. Without MLFLOW_TRACKING_URI, MLflow 3 would pick a sqlite
     file in the working folder, which mlflow-skinny cannot open; the run picks a file store in
@@ -83,35 +90,33 @@ def check_mlflow_store(output_dir: Path) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         logger.info(f"MLflow: MLFLOW_TRACKING_URI is not set, so the run uses the file store {uri}")
     unset = "or unset it for a file store in <output_dir>/logs/mlruns"
+    setting = f"MLFLOW_TRACKING_URI={without_passwords(uri)!r}"
     scheme = get_uri_scheme(uri)
     try:
         _tracking_store_registry.get_store_builder(uri)
     except Exception:  # noqa: BLE001 - MLflow's registry says "unsupported" in several kinds
         need = "the full mlflow package (pip install mlflow)" if scheme in DATABASE_SCHEMES else "a scheme MLflow knows"
-        raise InputError(
-            f"MLFLOW_TRACKING_URI={uri!r} needs {need}; use a file: folder or an http(s) server, {unset}"
-        ) from None
+        raise InputError(f"{setting} needs {need}; use a file: folder or an http(s) server, {unset}") from None
     if scheme in ("http", "https"):
         check_mlflow_server(uri, unset)
     if scheme not in ("", "file"):
         return
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
         raise InputError(
-            f"MLFLOW_TRACKING_URI={uri!r} is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true;"
-            f" set that, or use an http(s) server"
+            f"{setting} is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true; set that, or "
+            "use an http(s) server"
         )
     store = Path(local_file_uri_to_path(uri))
     existing = next(folder for folder in (store, *store.parents) if folder.exists())
     if not existing.is_dir():
-        raise InputError(f"MLFLOW_TRACKING_URI={uri!r}: {existing} is a file; point it at a folder, {unset}")
+        raise InputError(f"{setting}: {existing} is a file; point it at a folder, {unset}")
     probe = existing / f".write-test-{os.getpid()}"
     try:
         probe.touch()
         probe.unlink()
     except OSError as err:
         raise InputError(
-            f"MLFLOW_TRACKING_URI={uri!r}: {existing} is not writable ({err.strerror}); point it at a writable folder, "
-            f"{unset}"
+            f"{setting}: {existing} is not writable ({err.strerror}); point it at a writable folder, {unset}"
         ) from None
 
 
@@ -133,8 +138,9 @@ def check_mlflow_server(uri: str, unset: str) -> None:
         MlflowClient(tracking_uri=uri).get_experiment_by_name("cifar_accel")
     except Exception as err:  # noqa: BLE001 - the network and the server fail in many kinds
         raise InputError(
-            f"MLFLOW_TRACKING_URI={uri!r}: the MLflow server does not answer ({type(err).__name__}: "
-            f"{one_line(err)[:200]}); start it or fix its credentials, point the variable at one that runs, {unset}"
+            f"MLFLOW_TRACKING_URI={without_passwords(uri)!r}: the MLflow server does not answer ({type(err).__name__}: "
+            f"{without_passwords(one_line(err))[:200]}); start it or fix its credentials, point the variable at one "
+            f"that runs, {unset}"
         ) from None
     finally:
         for name, value in saved.items():
@@ -226,7 +232,8 @@ def check_continued_runs(accelerator: Accelerator, output_dir: Path, resumed_ste
     if state != "active":
         raise InputError(
             f"the run continues MLflow run {run_id}, which the store MLFLOW_TRACKING_URI="
-            f"{os.environ['MLFLOW_TRACKING_URI']!r} holds {'as deleted' if state == 'deleted' else 'nowhere'}; set "
+            f"{without_passwords(os.environ['MLFLOW_TRACKING_URI'])!r} holds "
+            f"{'as deleted' if state == 'deleted' else 'nowhere'}; set "
             f"MLFLOW_TRACKING_URI to the store the run began in, or delete {tracker_runs_file(output_dir)} "
             "to log the rest of the run to a new MLflow run"
         )

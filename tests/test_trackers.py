@@ -230,9 +230,14 @@ def test_mlflow_without_a_tracking_uri_uses_a_file_store_in_the_run_folder(tiny_
         ("{tmp}/mlruns", False, "is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true"),
         ("file://{tmp}/a_file/mlruns", True, "a_file is a file; point it at a folder"),
         ("http://127.0.0.1:9", True, "the MLflow server does not answer (MlflowException: "),  # a closed port
+        ("postgresql://me:pw-secret5@db.example/mlflow", True,
+         "MLFLOW_TRACKING_URI='postgresql://me:***@db.example/mlflow' needs the full mlflow package"),
+        ("http://me:pw-secret5@127.0.0.1:9", True, "MLFLOW_TRACKING_URI='http://me:***@127.0.0.1:9': the MLflow server "
+         "does not answer (MlflowException: API request to http://me:***@127.0.0.1:9/api/"),
     ],
-    ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file", "server-down"],
-)
+    ids=["unknown-scheme", "sqlite-without-mlflow", "file-store-not-allowed", "under-a-file", "server-down",
+         "password-of-a-database", "password-of-a-server"],
+)  # fmt: skip
 def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_dataset, train_here, tmp_path, monkeypatch,
                                                                      uri, allow, message):  # fmt: skip
     (tmp_path / "a_file").write_text("not a folder")
@@ -243,6 +248,7 @@ def test_an_mlflow_store_that_cannot_open_is_refused_before_any_work(tiny_datase
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: MLFLOW_TRACKING_URI=") and message in line
+    assert "secret5" not in proc.stdout + proc.stderr  # a URI's password is shown as ***
     assert not out.exists() and not (tmp_path / "mlflow.db").exists()
 
 
