@@ -22,6 +22,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import torch
 from datasets.fingerprint import Hasher
 from PIL import Image, ImageOps
@@ -123,6 +124,29 @@ def datasets_cache_fault(err: BaseException, work: str) -> InputError | RunFault
     return None
 
 
+def arrow_read_error(err: BaseException) -> bool:
+    """Whether ``err`` is Arrow's failure to read a file: its ArrowInvalid, or the plain OSError without an errno it
+    raises for a file cut short (where `datasets` raises FileNotFoundError, and the system an OSError with errno)."""
+    io_error = cause_of(err, OSError)
+    return cause_of(err, pa.ArrowInvalid) is not None or (type(io_error) is OSError and io_error.errno is None)
+
+
+def damaged_cache_fault(folder: Path) -> RunFault | None:
+    """An Arrow file of the datasets cache in ``folder`` (a dataset's folder there) that cannot be read back, cut
+    short by a run killed while writing it or by a disk that filled, as one line that says to delete the folder;
+    None where every file there reads whole (the fault is elsewhere: the user's files)."""
+    for file in sorted(folder.glob("*.arrow")):
+        try:
+            with pa.memory_map(str(file)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowInvalid) as damage:
+            return RunFault(
+                f"the datasets cache holds a damaged file, {file} ({one_line(damage)[:120]}), as a run killed while "
+                f"writing it leaves; delete {folder} and run again, which reads and decodes the data again"
+            )
+    return None
+
+
 def name_not_text(folder: Path) -> str | None:
     """The first file or folder under ``folder`` whose name is not UTF-8 text (its other bytes shown as escapes),
     relative to it; None where every name is."""
@@ -144,15 +168,16 @@ def load_raw(
     check_dataset_path(dataset_name, dataset_flag)
     datasets.disable_progress_bars()  # they write to stderr, which the commands keep for their one error line
     try:
-        raw = datasets.load_dataset(
-            str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name
-        )
+        path = str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name
+        raw = datasets.load_dataset(path)
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         raise InputError(
             f"cannot load dataset '{dataset_name}' ({err}); offline, {local_copy_hint(dataset_flag)}"
         ) from None
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
         fault = datasets_cache_fault(err, f"preparing dataset '{dataset_name}'")
+        if not fault and arrow_read_error(err):
+            fault = damaged_cache_fault(Path(datasets.load_dataset_builder(path).cache_dir))
         if fault:
             raise fault from None
         folder = Path(dataset_name).expanduser()
@@ -383,8 +408,10 @@ def decode_split(
         if decoded[label_column].null_count:
             empty = decoded[label_column].to_pylist().index(None)
             raise InputError(f"{split} label {empty} (column '{label_column}') is empty; fix that row or the column")
-    except OSError as err:
+    except (OSError, pa.ArrowInvalid) as err:
         fault = datasets_cache_fault(err, f"caching the decoded {split} split")
+        if not fault and arrow_read_error(err) and dataset.cache_files:
+            fault = damaged_cache_fault(Path(dataset.cache_files[0]["filename"]).parent)
         if fault:
             raise fault from None
         raise

@@ -3,6 +3,7 @@ subprocess would add only seconds): exit code, one clear line on stderr, nothing
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import datasets
@@ -342,6 +343,28 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
                      "device); free space on that disk, or set HF_DATASETS_CACHE to a folder on another, then run "
                      "again")  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["-train.arrow", "cache-"], ids=["prepared-split", "decoded-split"])
+def test_a_damaged_file_in_the_datasets_cache_is_named_with_the_folder_to_delete(tiny_dataset, cli_env, tmp_path,
+                                                                                 kind):  # fmt: skip
+    """A run killed while `datasets` wrote its cache, or a disk that filled, leaves an Arrow file cut short: the next
+    run failed with Arrow's own words ('ArrowInvalid: Expected to read 1328 metadata bytes...'), exit 1. Deleting the
+    folder the line names lets the next run read and decode the data again."""
+    env = {**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    assert run_cli(tiny_args(tiny_dataset, tmp_path / "first"), env).returncode == 0
+    damaged = next(f for f in sorted((tmp_path / "cache").rglob("*.arrow")) if kind in f.name)
+    with damaged.open("r+b") as file:
+        file.truncate(1000)
+    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "second"), env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error: the datasets cache holds a damaged file, {damaged} (")
+    assert proc.stderr.endswith(
+        f"), as a run killed while writing it leaves; delete {damaged.parent} and run again, which reads and decodes "
+        "the data again\n"
+    )
+    shutil.rmtree(damaged.parent)
+    assert run_cli(tiny_args(tiny_dataset, tmp_path / "second"), env).returncode == 0
 
 
 def test_an_unlabelled_validation_split_is_left_out_with_val_ratio_0_and_evaluate_points_to_predict(cli_env, tmp_path):
