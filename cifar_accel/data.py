@@ -16,6 +16,7 @@ import math
 import os
 import time
 import typing
+import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -457,6 +458,13 @@ def class_names_of(split: datasets.Dataset, label_column: str) -> list[str]:
     the largest)."""
     feature = split.features[label_column]
     if isinstance(feature, datasets.ClassLabel):
+        for index, name in enumerate(feature.names):
+            if not name.strip() or any(unicodedata.category(character) == "Cc" for character in name):
+                problem = "is empty" if not name.strip() else "holds a line break or another control character"
+                raise InputError(
+                    f"the name of class {index} (label column '{label_column}') {problem} ({name!r}); the tables, "
+                    "predictions and model card show each class on one line: rename it in the dataset"
+                )
         return list(feature.names)
     return numbered(int(max(label for label in label_values(split, label_column) if label is not None)) + 1)
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -712,6 +713,18 @@ def fractional_labels(root: Path) -> Path:
     return dataset_with(root, [float(i % 10) for i in range(5)] + [3.7] + [1.0] * 34, features, "label")
 
 
+def class_named(name: str) -> Callable[[Path], Path]:
+    """A dataset whose class 3 has the name ``name``."""
+
+    def make(root: Path) -> Path:
+        features = datasets.Features(
+            {"img": datasets.Image(), "label": datasets.ClassLabel(names=[*CLASS_NAMES[:3], name, *CLASS_NAMES[4:]])}
+        )
+        return dataset_with(root, [i % 10 for i in range(40)], features, "label")
+
+    return make
+
+
 @pytest.mark.parametrize(
     ("make", "words"),
     [
@@ -719,10 +732,15 @@ def fractional_labels(root: Path) -> Path:
         (huge_image, "train image 2 (column 'img') cannot be decoded (ImageTooLarge: 9000x8000 pixels, more than"),
         (null_label, "train label 5 (column 'label') is empty; fix that row or the column"),
         (fractional_labels, "train label 5 (column 'label') is 3.7, not a whole class number"),
+        (class_named("big\ncat"), "the name of class 3 (label column 'label') holds a line break or another control "
+                                   "character ('big\\ncat'); the tables, predictions and model card show each class on "
+                                   "one line: rename it in the dataset"),
+        (class_named(" "), "the name of class 3 (label column 'label') is empty (' ')"),
     ],
-    ids=["null-image", "decompression-bomb-size", "null-label", "fractional-labels"],
-)
-def test_bad_rows_are_refused_naming_the_split_and_row(train_here, tmp_path, make, words):
+    ids=["null-image", "decompression-bomb-size", "null-label", "fractional-labels", "class-name-with-a-line-break",
+         "blank-class-name"],
+)  # fmt: skip
+def test_bad_rows_and_class_names_are_refused_naming_them(train_here, tmp_path, make, words):
     proc = train_here(tiny_args(make(tmp_path / "data"), tmp_path / "out"))
     assert proc.returncode == 2
     assert words in one_error_line(proc)
