@@ -542,9 +542,10 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     value = check_value(_TYPES[name], value, name, invalid, FIELDS[name].metadata["bounds"])
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
-    if FIELDS[name].metadata["path"] and value is not None and (problem := path_problem(os.path.expanduser(value))):
-        raise InputError(f"{origin}: '{name}' {problem}")
-    if isinstance(value, str) and not_text(value):  # config.yaml records it as text; not shown, for SECRET_FIELD
+    if FIELDS[name].metadata["path"] and value is not None:
+        if problem := path_problem(os.path.expanduser(value)):  # not UTF-8 text (shown), or too long
+            raise InputError(f"{origin}: '{name}' {problem}")
+    elif isinstance(value, str) and not_text(value):  # config.yaml records it as text; not shown, for SECRET_FIELD
         raise InputError(f"{origin}: '{name}' is not UTF-8 text; give it in UTF-8 characters")
     return value
 

@@ -181,8 +181,7 @@ def load_raw(
             fault = damaged_cache_fault(Path(datasets.load_dataset_builder(path).cache_dir))
         if fault:
             raise fault from None
-        folder = Path(dataset_name).expanduser()
-        if cause_of(err, UnicodeEncodeError) and looks_like_path(dataset_name) and (name := name_not_text(folder)):
+        if cause_of(err, UnicodeEncodeError) and looks_like_path(dataset_name) and (name := name_not_text(Path(path))):
             raise InputError(
                 f"dataset '{dataset_name}' holds '{name}', a name that is not UTF-8 text, which datasets cannot read; "
                 "rename it"
