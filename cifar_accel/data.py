@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import traceback
 import typing
 import unicodedata
 import warnings
@@ -133,18 +134,41 @@ def arrow_read_error(err: BaseException) -> bool:
 
 
 def damaged_cache_fault(folder: Path) -> RunFault | None:
-    """An Arrow file of the datasets cache in ``folder`` (a dataset's folder there) that cannot be read back, cut
-    short by a run killed while writing it or by a disk that filled, as one line that says to delete the folder;
-    None where every file there reads whole (the fault is elsewhere: the user's files)."""
-    for file in sorted(folder.glob("*.arrow")):
+    """A file of the datasets cache in ``folder`` (a dataset's folder there) that cannot be read back, cut short by a
+    run killed while writing it or by a disk that filled, as one line that says to delete the folder: its
+    dataset_info.json (which must name the splits) or an Arrow file. None where every file there reads whole (the
+    fault is elsewhere: the user's files)."""
+    damage = None
+    info = folder / datasets.config.DATASET_INFO_FILENAME
+    if info.is_file():
+        try:
+            if not datasets.DatasetInfo.from_directory(str(folder)).splits:
+                damage = info, "it names no splits"
+        except (ValueError, TypeError, AttributeError) as err:  # JSON cut short, not UTF-8, or of another shape
+            damage = info, one_line(err)
+    for file in sorted(folder.glob("*.arrow")) if damage is None else ():
         try:
             with pa.memory_map(str(file)) as source:
                 pa.ipc.open_stream(source).read_all()
-        except (OSError, pa.ArrowInvalid) as damage:
-            return RunFault(
-                f"the datasets cache holds a damaged file, {file} ({one_line(damage)[:120]}), as a run killed while "
-                f"writing it leaves; delete {folder} and run again, which reads and decodes the data again"
-            )
+        except (OSError, pa.ArrowInvalid) as err:
+            damage = file, one_line(err)
+            break
+    if damage is None:
+        return None
+    file, reason = damage
+    return RunFault(
+        f"the datasets cache holds a damaged file, {file} ({reason[:120]}), as a run killed while writing it leaves; "
+        f"delete {folder} and run again, which reads and decodes the data again"
+    )
+
+
+def builder_cache_folder(err: BaseException) -> Path | None:
+    """The cache folder of the `datasets` builder whose code raised ``err`` (found in its traceback), where it
+    reads and writes a dataset's prepared files; None where no builder had one."""
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        builder = frame.f_locals.get("self")
+        if isinstance(builder, datasets.DatasetBuilder) and getattr(builder, "_cache_dir", None):
+            return Path(builder.cache_dir)
     return None
 
 
@@ -175,10 +199,10 @@ def load_raw(
         raise InputError(
             f"cannot load dataset '{dataset_name}' ({err}); offline, {local_copy_hint(dataset_flag)}"
         ) from None
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
+    except Exception as err:  # noqa: BLE001 - a damaged cache file fails in many ways; others are raised below
         fault = datasets_cache_fault(err, f"preparing dataset '{dataset_name}'")
-        if not fault and arrow_read_error(err):
-            fault = damaged_cache_fault(Path(datasets.load_dataset_builder(path).cache_dir))
+        if not fault and (folder := builder_cache_folder(err)):
+            fault = damaged_cache_fault(folder)
         if fault:
             raise fault from None
         if cause_of(err, UnicodeEncodeError) and looks_like_path(dataset_name) and (name := name_not_text(Path(path))):
@@ -189,7 +213,7 @@ def load_raw(
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
         if not isinstance(err, (FileNotFoundError, ValueError)):
-            raise  # a fault of the machine (an I/O error), reported as such
+            raise  # a fault of the machine (an I/O error) or of `datasets`, reported as such
         fix = (
             f"; pass a folder that datasets.load_dataset reads ({DATASET_LAYOUTS})"
             if looks_like_path(dataset_name)

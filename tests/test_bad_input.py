@@ -345,17 +345,26 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("kind", ["-train.arrow", "cache-"], ids=["prepared-split", "decoded-split"])
+@pytest.mark.parametrize(
+    ("kind", "damage"),
+    [
+        ("-train.arrow", lambda data: data[:1000]),
+        ("cache-", lambda data: data[:1000]),
+        ("dataset_info.json", lambda data: data[:100]),
+        ("dataset_info.json", lambda data: b"{}"),
+    ],
+    ids=["prepared-split", "decoded-split", "dataset-info-cut-short", "dataset-info-without-splits"],
+)
 def test_a_damaged_file_in_the_datasets_cache_is_named_with_the_folder_to_delete(tiny_dataset, cli_env, tmp_path,
-                                                                                 kind):  # fmt: skip
-    """A run killed while `datasets` wrote its cache, or a disk that filled, leaves an Arrow file cut short: the next
-    run failed with Arrow's own words ('ArrowInvalid: Expected to read 1328 metadata bytes...'), exit 1. Deleting the
-    folder the line names lets the next run read and decode the data again."""
+                                                                                 kind, damage):  # fmt: skip
+    """A run killed while `datasets` wrote its cache, or a disk that filled, leaves a file cut short: the next run
+    failed with Arrow's own words ('ArrowInvalid: Expected to read 1328 metadata bytes...'), exit 1, or, for the
+    prepared dataset's dataset_info.json, with JSON's ('Unterminated string') as a fault of the user's dataset, or a
+    TypeError. Deleting the folder the line names lets the next run read and decode the data again."""
     env = {**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
     assert run_cli(tiny_args(tiny_dataset, tmp_path / "first"), env).returncode == 0
-    damaged = next(f for f in sorted((tmp_path / "cache").rglob("*.arrow")) if kind in f.name)
-    with damaged.open("r+b") as file:
-        file.truncate(1000)
+    damaged = next(f for f in sorted((tmp_path / "cache").rglob("*")) if kind in f.name)
+    damaged.write_bytes(damage(damaged.read_bytes()))
     proc = run_cli(tiny_args(tiny_dataset, tmp_path / "second"), env)
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"error: the datasets cache holds a damaged file, {damaged} (")
