@@ -788,10 +788,68 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     return config, source
 
 
+def _either(*values: Any) -> typing.Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+# Fields that act only where another field allows them: (that field, whether its value does, the values that do).
+# Given as a flag where it cannot act, a field is refused, as the run would quietly train without it. Presets, config
+# files and a run's config.yaml hold every field, acting or not (a flag that picks another optimizer leaves a
+# preset's Muon settings idle), so values from a file are not checked; nor are flags that turn a feature off (0, off,
+# none).
+ACTS_ONLY_WITH: dict[str, tuple[str, typing.Callable[[Any], bool], str]] = {
+    "momentum": ("optimizer", _either("sgd", "muon"), "sgd or muon"),
+    **dict.fromkeys(
+        ("muon_learning_rate", "muon_momentum", "muon_ns_steps", "muon_ns_dtype"),
+        ("optimizer", _either("muon"), "muon"),
+    ),
+    **dict.fromkeys(("lr_step_size", "lr_gamma"), ("lr_scheduler_type", _either("step"), "step")),
+    "lr_end_factor": ("lr_scheduler_type", _either(*PER_STEP_SCHEDULES), " or ".join(PER_STEP_SCHEDULES)),
+    "lr_start_factor": ("warmup_ratio", lambda ratio: ratio > 0, "above 0 (the warm-up starts there)"),
+    "early_stopping_patience": ("val_ratio", lambda ratio: ratio > 0, "above 0 (it watches validation accuracy)"),
+    "tta_below_confidence": ("tta", _either("flip", "flip_translate"), "flip or flip_translate"),
+    **dict.fromkeys(
+        (
+            "crop_padding",
+            "padding_mode",
+            "flip",
+            "color_jitter",
+            "brightness_shift",
+            "contrast_scale",
+            "mixup_alpha",
+            "cutmix_alpha",
+        ),
+        ("augment", bool, "on"),
+    ),
+    **dict.fromkeys(("hub_model_id", "hub_private_repo"), ("push_to_hub", bool, "on")),
+}  # not hub_token: a credential, often set for every command alike, that nothing writes where it is idle
+
+
+def _shown(value: Any) -> str:
+    """A field's value as the refusals write it: booleans as on and off, text quoted."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"'{value}'" if isinstance(value, str) else f"{value:g}"
+
+
+def check_acts(name: str, values: typing.Mapping[str, Any], origins: typing.Mapping[str, str]) -> None:
+    """Refuse the flag --``name`` where the field it needs (``ACTS_ONLY_WITH``) has a value in ``values`` that keeps
+    it idle; ``origins`` says where that value came from."""
+    decider, acts, needed = ACTS_ONLY_WITH[name]
+    if not acts(values[decider]):
+        raise InputError(
+            f"--{name} has no effect unless --{decider} is {needed}, but {origins[decider]} is "
+            f"{_shown(values[decider])}; leave --{name} out, or change that"
+        )
+
+
 def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
     """The rules between fields, checked before any data is read. ``origins`` says where each value came from
     (a flag, the config file, the default), so the message points at what to change."""
     per_step = config.lr_scheduler_type in PER_STEP_SCHEDULES
+    for name in ACTS_ONLY_WITH:
+        if origins[name].startswith("--") and getattr(config, name) not in (False, None, "none"):
+            check_acts(name, vars(config), origins)
     if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
         problem = (
             f"{origins['optimizer']} is {config.optimizer}"
@@ -875,5 +933,8 @@ def flag_reference() -> str:
             allowed += f" Must be {pattern[1]}."
         if _unsettable(name):
             allowed += " `none` unsets it."
+        if name in ACTS_ONLY_WITH:
+            decider, _, needed = ACTS_ONLY_WITH[name]
+            allowed += f" Acts only where `--{decider}` is {needed}; a flag given where it cannot act is refused."
         lines.append(f"| {flag}{aliases} | {default} | {f.metadata['resume']} | {cell(f.metadata['help'])}{allowed} |")
     return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, non_empty, run_cli, user_path
-from cifar_accel.inference import TrainedModel, add_tta_flags, load_model, output_beside
+from cifar_accel.inference import TrainedModel, add_tta_flags, check_tta_flags, load_model, output_beside
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import (
     WEIGHTS_FILE,
@@ -106,9 +106,10 @@ def plot_confusion_matrix(confusion: list[list[int]], class_names: list[str], ti
 
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
-    for flag in ("per_device_eval_batch_size", "max_eval_samples", "tta_below_confidence"):  # training's bounds
+    for flag in ("per_device_eval_batch_size", "max_eval_samples"):  # training's bounds
         if getattr(args, flag) is not None:
             check_field(flag, getattr(args, flag), f"--{flag}")
+    check_tta_flags(args)
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     trained = load_model(args.model)
     with writable_output_dir(

@@ -22,7 +22,7 @@ from torch import nn
 
 from cifar_accel.averaging import EMA_FILE
 from cifar_accel.checkpoint import STATE_FILE, checkpoints_within, validated_weights
-from cifar_accel.config import TestTimeAugmentation, TrainConfig, read_config_file
+from cifar_accel.config import TestTimeAugmentation, TrainConfig, check_acts, check_field, read_config_file
 from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line, path_problem
@@ -84,6 +84,8 @@ class TrainedModel:
             raise ValueError(f"tta must be one of {', '.join(typing.get_args(TestTimeAugmentation))}, not {tta!r}")
         if not 0 < tta_below_confidence <= 1:
             raise ValueError(f"tta_below_confidence must be above 0 and at most 1, not {tta_below_confidence!r}")
+        if tta == "none" and tta_below_confidence != 1:
+            raise ValueError("tta_below_confidence has no effect unless tta is 'flip' or 'flip_translate'")
         batches = self.as_batch(images).split(self.config.per_device_eval_batch_size)
         return torch.cat(
             [
@@ -124,6 +126,14 @@ def add_tta_flags(parser: argparse.ArgumentParser) -> None:
         help="Apply --tta only to the images whose plain prediction has a probability below this (default: 1, "
         "every image).",
     )
+
+
+def check_tta_flags(args: argparse.Namespace) -> None:
+    """evaluate's and predict's --tta_below_confidence: within training's bounds, and refused without a --tta that
+    it would choose the images of, as training refuses it."""
+    check_field("tta_below_confidence", args.tta_below_confidence, "--tta_below_confidence")
+    if args.tta_below_confidence != 1:
+        check_acts("tta_below_confidence", vars(args), {"tta": "--tta"})
 
 
 def find_run_dir(weights: Path) -> Path:

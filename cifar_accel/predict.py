@@ -17,10 +17,10 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
-from cifar_accel.config import Precision, check_field
+from cifar_accel.config import Precision
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, image_path, one_line, run_cli, user_path
-from cifar_accel.inference import add_tta_flags, load_model
+from cifar_accel.inference import add_tta_flags, check_tta_flags, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
 
@@ -107,7 +107,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     if args.top_k < 1:
         raise InputError(f"--top_k must be >= 1, got {args.top_k}")
-    check_field("tta_below_confidence", args.tta_below_confidence, "--tta_below_confidence")
+    check_tta_flags(args)
     require_one_process("predict")
     trained = load_model(args.model)
     files, skipped = image_files(args.images)

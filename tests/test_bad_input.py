@@ -161,6 +161,14 @@ CASES = [
     ("whitening-bias-epoch-schedule", ["--config", "fast", "--lr_scheduler_type", "cosine"], 2,
      ["'whiten_bias_epochs' in the fast preset needs a per-step schedule", "--lr_scheduler_type is 'cosine'"]),
     ("ns-dtype-unknown", ["--muon_ns_dtype", "float16"], 2, ["muon_ns_dtype", "invalid choice"]),
+    ("idle-momentum", ["--momentum", "0.5"], 2,
+     ["--momentum has no effect unless --optimizer is sgd or muon, but 'optimizer' (the default) is 'adam'; leave "
+      "--momentum out, or change that"]),
+    ("idle-patience", ["--val_ratio", "0", "--patience", "3"], 2,
+     ["--early_stopping_patience has no effect unless --val_ratio is above 0 (it watches validation accuracy), but "
+      "--val_ratio is 0;"]),
+    ("idle-muon-after-preset", ["--config", "fast", "--optimizer", "sgd", "--muon_ns_steps", "5"], 2,
+     ["--muon_ns_steps has no effect unless --optimizer is muon, but --optimizer is 'sgd';"]),
     ("optional-number-as-a-word", ["--max_grad_norm", "off"], 2, ["--max_grad_norm: expected a number or none"]),
     ("validation-leaves-too-few", ["--dataset_name", "{data}", "--val_ratio", "0.95"], 2,
      ["training images are fewer than one batch of 64", "or lower --val_ratio (311 held out for validation)"]),
@@ -191,7 +199,7 @@ MAKERS = {
 # These go through a real subprocess, where anything else on stderr (a library's warning at import) would show; the
 # other cases run the same entry point in this process (train_here), seconds faster each.
 THROUGH_THE_CLI = {"unknown-flag", "yaml-does-not-parse", "dataset-missing", "corrupt-image", "resume-missing",
-                   "nesterov-from-preset"}  # fmt: skip
+                   "nesterov-from-preset", "idle-momentum"}  # fmt: skip
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 
 from cifar_accel.checkpoint import TrainerState, check_resume, config_fingerprint
 from cifar_accel.config import (
+    ACTS_ONLY_WITH,
     DEFAULT_CONFIG_FILE,
     FIELDS,
     TrainConfig,
@@ -87,10 +88,9 @@ def test_a_config_file_reads_numbers_and_no_as_the_command_line_does(tmp_path):
     path.write_text("learning_rate: 1e-3\nweight_decay: 5E-4\nmomentum: 9.0e-1\nlabel_smoothing: .1e0\n")
     assert read_config_file(path) == {"learning_rate": 0.001, "weight_decay": 0.0005, "momentum": 0.9,
                                       "label_smoothing": 0.1}  # fmt: skip
-    config, _ = load_config(["--config", str(path)])
-    flags, _ = load_config(
-        ["--lr", "1e-3", "--weight_decay", "5E-4", "--momentum", "9.0e-1", "--label_smoothing", ".1e0"]
-    )
+    config, _ = load_config(["--config", str(path), "--optimizer", "sgd"])
+    numbers = ["--lr", "1e-3", "--weight_decay", "5E-4", "--momentum", "9.0e-1", "--label_smoothing", ".1e0"]
+    flags, _ = load_config([*numbers, "--optimizer", "sgd"])
     assert config == flags
     path.write_text("num_train_epochs: 1e1\n")  # a float still, where an int is due
     with pytest.raises(InputError, match="'num_train_epochs' must be int, not float"):
@@ -260,3 +260,68 @@ def test_a_checkpoint_that_recorded_a_relative_dataset_path_resumes_with_the_abs
     other = TrainerState(config_fingerprint={**fingerprint, "dataset_name": "./data/cifar100"})
     with pytest.raises(InputError, match="dataset_name: checkpoint "):
         check_resume(Path("step_00000009"), other, fingerprint, num_processes=1)
+
+
+# Each field that acts only with another: (the flag with a value that would act, the other field's flags where it
+# keeps the flag idle, and where it lets it act).
+IDLE = {
+    "momentum": (["--momentum", "0.5"], [], ["--optimizer", "sgd"]),
+    "muon_learning_rate": (["--muon_learning_rate", "0.1"], ["--optimizer", "sgd"], ["--optimizer", "muon"]),
+    "muon_momentum": (["--muon_momentum", "0.5"], [], ["--optimizer", "muon"]),
+    "muon_ns_steps": (["--muon_ns_steps", "3"], [], ["--optimizer", "muon"]),
+    "muon_ns_dtype": (["--muon_ns_dtype", "float32"], [], ["--optimizer", "muon"]),
+    "lr_step_size": (["--lr_step_size", "3"], ["--lr_scheduler_type", "cosine"], []),
+    "lr_gamma": (["--lr_gamma", "0.5"], ["--lr_scheduler_type", "linear"], []),
+    "lr_end_factor": (["--lr_end_factor", "0.1"], [], ["--lr_scheduler_type", "cosine_steps"]),
+    "lr_start_factor": (["--lr_start_factor", "0.1"], ["--lr_scheduler_type", "linear"],
+                        ["--lr_scheduler_type", "linear", "--warmup_ratio", "0.1"]),
+    "early_stopping_patience": (["--early_stopping_patience", "3"], ["--val_ratio", "0"], []),
+    "tta_below_confidence": (["--tta_below_confidence", "0.7"], [], ["--tta", "flip"]),
+    "crop_padding": (["--crop_padding", "2"], ["--no-augment"], []),
+    "padding_mode": (["--padding_mode", "reflect"], ["--no-augment"], []),
+    "flip": (["--flip", "alternate"], ["--no-augment"], []),
+    "color_jitter": (["--color_jitter"], ["--no-augment"], []),
+    "brightness_shift": (["--brightness_shift", "0.1"], ["--no-augment"], []),
+    "contrast_scale": (["--contrast_scale", "0.1"], ["--no-augment"], []),
+    "mixup_alpha": (["--mixup_alpha", "0.2"], ["--no-augment"], []),
+    "cutmix_alpha": (["--cutmix_alpha", "1"], ["--no-augment"], []),
+    "hub_model_id": (["--hub_model_id", "me/cifar"], [], ["--push_to_hub"]),
+    "hub_private_repo": (["--hub_private_repo"], [], ["--push_to_hub"]),
+}  # fmt: skip
+
+
+def test_the_idle_table_covers_every_field_that_acts_only_with_another():
+    assert set(IDLE) == set(ACTS_ONLY_WITH)
+
+
+@pytest.mark.parametrize("name", list(IDLE))
+def test_a_flag_that_would_have_no_effect_is_refused_naming_what_it_needs(name):
+    """Such a flag was accepted and the run trained without it (--momentum with Adam, --early_stopping_patience
+    with no validation, --tta_below_confidence with no TTA): a flag given where it cannot act is refused, and the
+    same flag acts once the field it needs allows it."""
+    flag, idle, acting = IDLE[name]
+    decider, acts, needed = ACTS_ONLY_WITH[name]
+    with pytest.raises(InputError) as err:
+        load_config([*idle, *flag])
+    shown = {"adam": "'adam'", "sgd": "'sgd'", "step": "'step'", "cosine": "'cosine'", "linear": "'linear'"}
+    idle_value = dict(zip(idle[::2], idle[1::2], strict=False)).get(f"--{decider}")
+    assert str(err.value).startswith(f"--{name} has no effect unless --{decider} is {needed}, but ")
+    assert str(err.value).endswith(f"; leave --{name} out, or change that")
+    if idle_value is not None:
+        assert f", but --{decider} is {shown.get(idle_value, idle_value)};" in str(err.value)
+    config, _ = load_config([*acting, *flag])
+    assert acts(getattr(config, decider))
+
+
+def test_idle_values_from_a_config_file_and_flags_that_turn_a_feature_off_are_accepted(tmp_path):
+    """A preset or a run's config.yaml holds every field: a flag that picks another optimizer leaves the fast
+    preset's Muon settings idle, and is accepted. So are flags that turn an idle feature off."""
+    config, _ = load_config(["--config", "fast", "--optimizer", "sgd"])
+    assert (config.optimizer, config.muon_ns_steps) == ("sgd", 3)
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: adam\nmomentum: 0.5\nval_ratio: 0\nearly_stopping_patience: 3\n")
+    config, _ = load_config(["--config", str(path)])
+    assert (config.momentum, config.early_stopping_patience) == (0.5, 3)
+    config, _ = load_config(["--val_ratio", "0", "--early_stopping_patience", "0", "--no-augment", "--flip", "none",
+                             "--mixup_alpha", "0", "--no-color_jitter", "--no-hub_private_repo"])  # fmt: skip
+    assert (config.early_stopping_patience, config.flip, config.color_jitter) == (0, "none", False)

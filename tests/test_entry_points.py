@@ -284,6 +284,23 @@ def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
         assert f"| - | {results['test_accuracy']:.4f} |" in row
 
 
+@pytest.mark.parametrize("module", [evaluate, predict])
+def test_tta_below_confidence_without_tta_is_refused_as_training_refuses_it(runs, module, capsys, tmp_path):
+    """evaluate and predict took --tta_below_confidence 0.7 without --tta and gave plain predictions, as if no
+    image were unsure; the flag is refused, and nothing is written."""
+    run = runs["default"]
+    image = tmp_path / "cat.png"
+    Image.new("RGB", (32, 32)).save(image)
+    argv = ["--model", str(run), "--tta_below_confidence", "0.7", *([str(image)] if module is predict else [])]
+    assert run_entry_point(module, argv, capsys) == (2, "", "error: --tta_below_confidence has no effect unless --tta "
+                                                     "is flip or flip_translate, but --tta is 'none'; leave "
+                                                     "--tta_below_confidence out, or change that\n")  # fmt: skip
+    assert not (run / "eval_test").exists()
+    elsewhere = ["--output_dir", str(tmp_path / "eval")] if module is evaluate else []
+    code, out, _ = run_entry_point(module, [*argv, "--tta", "flip", *elsewhere], capsys)
+    assert code == 0 and out
+
+
 @pytest.mark.parametrize(
     ("images", "kwargs", "message"),
     [
@@ -299,9 +316,11 @@ def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
         (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": "flips"}, "tta must be one of none, flip"),
         (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta": "flip", "tta_below_confidence": 0},
          "tta_below_confidence must be above 0 and at most 1, not 0"),
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), {"tta_below_confidence": 0.7},
+         "tta_below_confidence has no effect unless tta is 'flip' or 'flip_translate'"),
     ],
     ids=["empty-list", "numpy", "list-of-tensors", "empty-tensor", "float", "none", "path", "top-k-0", "tta-none",
-         "tta-unknown", "tta-below-0"],
+         "tta-unknown", "tta-below-0", "tta-below-without-tta"],
 )  # fmt: skip
 def test_the_python_api_names_the_expected_input_in_one_error(runs, images, kwargs, message):
     trained = load_model(runs["default"])
