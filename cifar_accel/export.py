@@ -146,6 +146,9 @@ def check_export(
     return {"images": len(images), "same_predictions": agree, "max_probability_difference": largest}
 
 
+CHECK_FLAGS = ("check_dataset", "check_split", "image_column_name", "check_samples", "tolerance")  # --skip_check's
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cifar_accel.export", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
@@ -184,13 +187,20 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the exporters' own INFO lines are not shown
     logger.setLevel(logging.INFO)
     if args.check_samples is not None and args.check_samples < 1:
         raise InputError(f"--check_samples must be at least 1, not {args.check_samples}")
     if not 0 <= args.tolerance < 1:
         raise InputError(f"--tolerance must be from 0 to below 1, not {args.tolerance}")
+    idle = [flag for flag in CHECK_FLAGS if args.skip_check and getattr(args, flag) != parser.get_default(flag)]
+    if idle:
+        raise InputError(
+            f"--{idle[0]} has no effect with --skip_check, which writes the export without checking it; leave one "
+            "of them out"
+        )
     require_one_process("export")
     if args.format == "onnx":
         require_onnx()

@@ -178,6 +178,11 @@ def test_a_missing_extra_is_one_line_and_exit_2(cifar100_run, tmp_path, capsys, 
          "no 'validation' split (splits: train, test); pick one of them with --check_split"),
         (["--check_split", "test[:10]", "--output", "{tmp}/x.onnx"],
          "give --check_split test, and --check_samples N for its first N images"),
+        (["--skip_check", "--tolerance", "0.01", "--output", "{tmp}/x.onnx"],
+         "error: --tolerance has no effect with --skip_check, which writes the export without checking it; leave one "
+         "of them out\n"),
+        (["--check_samples", "5", "--skip_check", "--output", "{tmp}/x.onnx"],
+         "error: --check_samples has no effect with --skip_check"),
     ],
 )  # fmt: skip
 def test_bad_export_flags_are_refused_before_anything_is_written(cifar100_run, tmp_path, capsys, flags, problem):
