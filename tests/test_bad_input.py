@@ -354,6 +354,33 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
 
 
 @pytest.mark.parametrize(
+    ("size", "before", "status", "where", "problem"),
+    [
+        ("4k", ":", "exit=1", "{disk}/hf/modules", "No space left on device); free space on that disk"),
+        ("64k", "mount -o remount,ro {disk}", "exit=2", "{disk}/hf",
+         "Read-only file system); make that folder writable"),
+    ],
+    ids=["full", "read-only"],
+)  # fmt: skip
+def test_a_hugging_face_cache_that_cannot_take_the_metric_is_one_line_naming_it(tiny_dataset, cli_env, tmp_path,
+                                                                                size, before, status, where,
+                                                                                problem):  # fmt: skip
+    """`evaluate` copies the shipped metric into HF_HOME (by default under the home folder) before a run tests:
+    with a read-only home and the datasets cache elsewhere (as the datasets cache's own refusal advises), the run
+    failed with 'OSError: [Errno 30] Read-only file system', exit 1. Nothing is written."""
+    disk = tmp_path / "home"
+    disk.mkdir()
+    env = {**cli_env, "HF_HOME": str(disk / "hf")}
+    error, exit_status, _ = run_on_a_small_disk(disk, size, tiny_args(tiny_dataset, tmp_path / "run"), env,
+                                                before=before.format(disk=disk))  # fmt: skip
+    assert exit_status == status
+    assert error == (f"error: loading the metric 'accuracy' failed: `evaluate` copies it into the Hugging Face cache "
+                     f"({where.format(disk=disk)}), which failed ({problem}, or set HF_HOME to a folder you can write "
+                     "to")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
     ("kind", "damage"),
     [
         ("-train.arrow", lambda data: data[:1000]),

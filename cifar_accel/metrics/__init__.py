@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
 import evaluate
 import torch
 
+from cifar_accel.errors import InputError, RunFault
+from cifar_accel.outputs import disk_full, fix_for
+
 METRICS_DIR = Path(__file__).parent
 
 
 def load_metric(name: str) -> evaluate.EvaluationModule:
-    """Load one of the metric modules under ``cifar_accel/metrics/`` (for example ``accuracy``)."""
-    return evaluate.load(str(METRICS_DIR / name), keep_in_memory=True)
+    """Load one of the metric modules under ``cifar_accel/metrics/`` (for example ``accuracy``). `evaluate` copies
+    it into the Hugging Face cache (HF_HOME, by default ~/.cache/huggingface) first: a cache it cannot write to is
+    one line with the fix."""
+    try:
+        return evaluate.load(str(METRICS_DIR / name), keep_in_memory=True)
+    except OSError as err:
+        if not (disk_full(err) or err.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+            raise
+        problem = InputError if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else RunFault
+        where = err.filename or evaluate.config.HF_MODULES_CACHE
+        raise problem(
+            f"loading the metric '{name}' failed: `evaluate` copies it into the Hugging Face cache ({where}), which "
+            f"failed ({err.strerror}); {fix_for(err)}, or set HF_HOME to a folder you can write to"
+        ) from None
 
 
 def classification_report(
