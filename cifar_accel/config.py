@@ -773,6 +773,15 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
+    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()  # accelerate launch's torch dynamo backend
+    if dynamo not in ("no", "inductor"):
+        raise InputError(
+            f"accelerate launch asked torch dynamo for its '{dynamo}' backend; this package compiles the model itself, "
+            "with inductor (--torch_compile), so that checkpoints load into a model compiled or not: choose no or "
+            "inductor for dynamo in the accelerate profile (accelerate config), or launch with --dynamo_backend no"
+        )
+    if dynamo == "inductor" and "torch_compile" not in cli:  # after this script's flag, as for the precision
+        values["torch_compile"] = True
     config = TrainConfig(**values)
     resume = config.resume_from_checkpoint
     config = dataclasses.replace(  # a leading ~ in a path from a config file, or in --flag=~/..., expanded
@@ -784,7 +793,16 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     source_file = getattr(args, "config", None)
     label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
     origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}
-    check_combinations(config, {name: origins.get(name, f"'{name}' (the default)") for name in FIELDS})
+    origins = {name: origins.get(name, f"'{name}' (the default)") for name in FIELDS}
+    check_combinations(config, origins)
+    accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")  # Accelerate takes it over its argument
+    if accumulation is not None and accumulation != str(config.gradient_accumulation_steps):
+        raise InputError(
+            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS is {accumulation} (accelerate launch sets it for DeepSpeed), and "
+            f"Accelerate would accumulate that many batches where {origins['gradient_accumulation_steps']} is "
+            f"{config.gradient_accumulation_steps}; unset it, and give --gradient_accumulation_steps to "
+            "cifar_accel.train"
+        )
     return config, source
 
 

@@ -123,7 +123,8 @@ def main(argv: Sequence[str]) -> None:
 def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: Path) -> None:
     """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
     run = trained.config
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
+    # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu, dynamo_backend="no")
     check_joined(accelerator, "evaluate")
     warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():

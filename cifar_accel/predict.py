@@ -112,7 +112,8 @@ def main(argv: Sequence[str]) -> None:
     trained = load_model(args.model)
     files, skipped = image_files(args.images)
     files, images, originals, unreadable = read_images(files, named={Path(name) for name in args.images})
-    accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu)
+    # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
+    accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu, dynamo_backend="no")
     warn_if_not_in_effect(accelerator, "prediction runs in fp32")
     trained.model = accelerator.prepare(trained.model)
     batch_size = trained.config.per_device_eval_batch_size  # the rows of a batch are printed before the next starts

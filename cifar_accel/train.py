@@ -128,6 +128,7 @@ def build_accelerator(config: TrainConfig, output_dir: Path, trackers: list[str]
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / LOGS_DIR)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the schedule: per epoch, or once per optimizer step
+        dynamo_backend="no",  # --torch_compile compiles the model in place (a launcher's inductor turns it on)
     )
     check_joined(accelerator, "train")
     return accelerator

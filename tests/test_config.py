@@ -325,3 +325,18 @@ def test_idle_values_from_a_config_file_and_flags_that_turn_a_feature_off_are_ac
     config, _ = load_config(["--val_ratio", "0", "--early_stopping_patience", "0", "--no-augment", "--flip", "none",
                              "--mixup_alpha", "0", "--no-color_jitter", "--no-hub_private_repo"])  # fmt: skip
     assert (config.early_stopping_patience, config.flip, config.color_jitter) == (0, "none", False)
+
+
+def test_accelerates_gradient_accumulation_variable_is_refused_where_it_would_override_the_run(monkeypatch):
+    """Accelerate takes ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the Accelerator's own argument: with it at 4, a
+    run of the default recipe accumulated 4 batches a step while its log and config.yaml said 1."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(InputError) as err:
+        load_config([])
+    assert str(err.value) == (
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS is 4 (accelerate launch sets it for DeepSpeed), and Accelerate would "
+        "accumulate that many batches where 'gradient_accumulation_steps' (the default) is 1; unset it, and give "
+        "--gradient_accumulation_steps to cifar_accel.train"
+    )
+    config, _ = load_config(["--gradient_accumulation_steps", "4"])  # the two agree
+    assert config.gradient_accumulation_steps == 4

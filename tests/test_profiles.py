@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from accelerate.commands.config.config_args import load_config_from_file
+from safetensors.torch import load_file
 
 from conftest import REPO, read_results, run_cli, tiny_args
 
@@ -81,6 +84,38 @@ def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profi
     assert len(warned) == (1 if options else 0)
     if options:
         assert warned[0].endswith("for N, launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu'")
+
+
+def test_a_launchers_torch_dynamo_compiles_as_torch_compile_does_and_other_backends_are_refused(
+    tiny_dataset, cli_env, tmp_path
+):
+    """`accelerate launch --dynamo_backend inductor` (or a profile that `accelerate config` wrote with dynamo on) made
+    Accelerate wrap the model in torch.compile: the run trained, then failed at its end, loading the best weights
+    ('Missing key(s) in state_dict: "_orig_mod.features..."'), exit 1. Now it turns on --torch_compile, which
+    compiles in place: the weights keep their names, and evaluate gives the run's test accuracy. Other backends
+    are refused in one line."""
+    out = tmp_path / "run"
+    env = {**cli_env, "TMPDIR": str(tmp_path)}
+    with_dynamo = launcher("cpu", "--dynamo_backend", "inductor")
+    proc = run_cli(tiny_args(tiny_dataset, out), env, launcher=with_dynamo)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["torch_compile"] is True
+    assert not [name for name in load_file(out / "model.safetensors") if "_orig_mod" in name]
+    evaluated = run_cli(["--model", str(out), "--output_dir", str(tmp_path / "eval")], env,
+                        module="cifar_accel.evaluate", launcher=with_dynamo)  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["accuracy"] == read_results(out)["test_accuracy_no_tta"]
+
+    proc = run_cli(tiny_args(tiny_dataset, tmp_path / "eager"), env,
+                   launcher=launcher("cpu", "--quiet", "--dynamo_backend", "eager"))  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "error: accelerate launch asked torch dynamo for its 'eager' backend; this package compiles the model itself, "
+        "with inductor (--torch_compile), so that checkpoints load into a model compiled or not: choose no or "
+        "inductor for dynamo in the accelerate profile (accelerate config), or launch with --dynamo_backend no"
+    )
+    assert not (tmp_path / "eager").exists()
 
 
 @pytest.mark.parametrize("quiet", [True, False])
