@@ -554,6 +554,20 @@ def warn_if_classes_left_out(kept: torch.Tensor, every: list, split: str, flag: 
         )  # fmt: skip
 
 
+def warn_if_classes_untrained(train_labels: list, test_labels: torch.Tensor, class_names: list[str]) -> None:
+    """A warning where the test split has images of classes that no image of the train split (labels
+    ``train_labels``) has: a model cannot learn them, and the test counts each such image as an error."""
+    untrained = sorted(set(test_labels.tolist()) - {label for label in train_labels if label is not None})
+    if untrained:
+        images = int(torch.isin(test_labels, torch.tensor(untrained)).sum())
+        names = ", ".join(repr(class_names[label]) for label in untrained[:5]) + (", ..." if len(untrained) > 5 else "")
+        logger.warning(
+            "test: %d of its images belong to classes that no training image has (%s): a model cannot learn them, "
+            "and the test counts those images as errors; check the train split",
+            images, names,
+        )  # fmt: skip
+
+
 def load_split(
     dataset_name: str,
     split: str,
@@ -644,9 +658,10 @@ def load_data(config: TrainConfig) -> CifarData:
         )
     check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
+    every_label = label_values(raw["train"], label_column)
     if len(train_raw) < len(raw["train"]):
-        every_label = label_values(raw["train"], label_column)
         warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
+    warn_if_classes_untrained(every_label, test.labels, class_names)
 
     val_split = "validation" if config.val_ratio > 0 and "validation" in raw else None
     if val_split:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 
 import datasets
 import numpy as np
@@ -171,6 +172,20 @@ def test_first_rows_that_leave_out_classes_warn_and_every_class_is_kept(tmp_path
         data = load_data(config_for(root, max_train_samples=10, val_ratio=0.0))
         assert data.class_names == [str(i) for i in range(10)]
         assert ("leave out 6 of its 10 classes" in caplog.text) is warned, caplog.text
+
+
+def test_test_classes_that_no_training_image_has_are_named_in_a_warning(tmp_path, caplog):
+    """An image folder whose test split has a class folder that train lacks trained quietly on that class's name
+    with no images, and its test counted that class's images as errors: the run says so."""
+    caplog.set_level(logging.WARNING, logger="cifar_accel.data")
+    folder = write_image_folder(tmp_path / "folder", ["cat", "dog", "frog"], {"train": 10, "test": 4})
+    load_data(config_for(folder, val_ratio=0.0))
+    assert "no training image has" not in caplog.text
+    shutil.rmtree(folder / "train" / "frog")
+    data = load_data(config_for(folder, val_ratio=0.0))
+    assert data.class_names == ["cat", "dog", "frog"] and sorted(set(data.train.labels.tolist())) == [0, 1]
+    assert "test: 4 of its images belong to classes that no training image has ('frog'): a model cannot learn them, " \
+           "and the test counts those images as errors; check the train split" in caplog.text  # fmt: skip
 
 
 def test_a_datasets_own_validation_split_is_the_validation_split(tmp_path, caplog):
