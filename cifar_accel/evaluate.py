@@ -23,7 +23,14 @@ from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
 from cifar_accel.errors import ArgumentParser, non_empty, run_cli, user_path
-from cifar_accel.inference import TrainedModel, add_tta_flags, check_tta_flags, load_model, output_beside
+from cifar_accel.inference import (
+    TrainedModel,
+    add_tta_flags,
+    check_tta_flags,
+    inference_precision,
+    load_model,
+    output_beside,
+)
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import (
     WEIGHTS_FILE,
@@ -61,7 +68,11 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--max_eval_samples", type=int, help="Evaluate only the first N images.")
     parser.add_argument("--per_device_eval_batch_size", type=int, help="Batch size per process; default: the run's.")
-    parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: the launcher's, or no.")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=typing.get_args(Precision),
+        help="Default: the launcher's, else the run's own (which its test accuracy was measured in).",
+    )
     add_tta_flags(parser)
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument(
@@ -124,7 +135,8 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
     run = trained.config
     # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu, dynamo_backend="no")
+    precision = inference_precision(args.mixed_precision, trained)
+    accelerator = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend="no")
     check_joined(accelerator, "evaluate")
     warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ from torch import nn
 
 from cifar_accel.averaging import EMA_FILE
 from cifar_accel.checkpoint import STATE_FILE, checkpoints_within, validated_weights
-from cifar_accel.config import TestTimeAugmentation, TrainConfig, check_acts, check_field, read_config_file
+from cifar_accel.config import (
+    TestTimeAugmentation,
+    TrainConfig,
+    check_acts,
+    check_field,
+    read_config_file,
+    resolve_mixed_precision,
+)
 from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line, path_problem
@@ -134,6 +142,13 @@ def check_tta_flags(args: argparse.Namespace) -> None:
     check_field("tta_below_confidence", args.tta_below_confidence, "--tta_below_confidence")
     if args.tta_below_confidence != 1:
         check_acts("tta_below_confidence", vars(args), {"tta": "--tta"})
+
+
+def inference_precision(flag: str | None, trained: TrainedModel) -> str:
+    """The precision evaluate and predict run ``trained`` in: --mixed_precision (``flag``), else accelerate launch's
+    (other than its default 'no'), else the run's own, in which its test accuracy was measured."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    return resolve_mixed_precision(flag, launcher, trained.config.mixed_precision)[0]
 
 
 def find_run_dir(weights: Path) -> Path:

@@ -20,7 +20,7 @@ from PIL import Image
 from cifar_accel.config import Precision
 from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, image_path, one_line, run_cli, user_path
-from cifar_accel.inference import add_tta_flags, check_tta_flags, load_model
+from cifar_accel.inference import add_tta_flags, check_tta_flags, inference_precision, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
 
@@ -41,7 +41,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--top_k", type=int, default=3, help="How many classes to show per image (default: 3).")
     parser.add_argument("--format", choices=["table", "jsonl"], default="table", help="Output format.")
     add_tta_flags(parser)
-    parser.add_argument("--mixed_precision", choices=typing.get_args(Precision), help="Default: no.")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=typing.get_args(Precision),
+        help="Default: the launcher's, else the run's own (which its test accuracy was measured in).",
+    )
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
@@ -113,7 +117,8 @@ def main(argv: Sequence[str]) -> None:
     files, skipped = image_files(args.images)
     files, images, originals, unreadable = read_images(files, named={Path(name) for name in args.images})
     # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
-    accelerator = Accelerator(mixed_precision=args.mixed_precision or "no", cpu=args.cpu, dynamo_backend="no")
+    precision = inference_precision(args.mixed_precision, trained)
+    accelerator = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend="no")
     warn_if_not_in_effect(accelerator, "prediction runs in fp32")
     trained.model = accelerator.prepare(trained.model)
     batch_size = trained.config.per_device_eval_batch_size  # the rows of a batch are printed before the next starts

@@ -4,18 +4,23 @@ accumulation. (Skipped steps and the non-finite guards: test_bookkeeping.py.)"""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.nn.utils import get_total_norm
 from torch.utils.data import DataLoader, TensorDataset
 
+from cifar_accel import evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.data import image_to_rgb32
 from cifar_accel.engine import training_step
+from cifar_accel.errors import run_cli
 from cifar_accel.models import build_model
 from cifar_accel.precision import hardware_advice, precision_report
 from cifar_accel.telemetry import cpu_name
@@ -142,6 +147,34 @@ def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_d
     assert [e.value for e in events.Scalars("step/learning_rate")] == pytest.approx([0.002] * 5 + [0.001] * 5)
     assert "step/loss_scale" not in events.Tags()["scalars"]  # no GradScaler without fp16
     assert complete_checkpoints(out)[-1].name == "step_00000010"
+
+
+def test_evaluate_and_predict_run_in_the_runs_precision_unless_told(tiny_dataset, train_here, tmp_path, capsys):
+    """evaluate and predict ran in fp32 unless --mixed_precision said otherwise, so a bf16 run's test accuracy was
+    not what `evaluate --model RUN` gave (0.7831 against 0.7952 on a tiny run), though the docs promise it: now
+    they run in the run's precision, and a flag still chooses another."""
+    out = tmp_path / "run"
+    assert train_here(tiny_args(tiny_dataset, out, "--mixed_precision", "bf16")).returncode == 0
+    reset_accelerate_state()
+    assert run_cli(evaluate.main, ["--model", str(out), "--output_dir", str(tmp_path / "eval")]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["mixed_precision"] == "bf16"
+    assert metrics["accuracy"] == read_results(out)["test_accuracy_no_tta"]
+    reset_accelerate_state()
+    assert run_cli(evaluate.main, ["--model", str(out), "--output_dir", str(tmp_path / "fp32"), "--mixed_precision",
+                                   "no"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "fp32" / "metrics.json").read_text())["mixed_precision"] == "no"
+
+    image = tmp_path / "cat.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(image)
+    trained = load_model(out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = trained.predict(torch.tensor(image_to_rgb32(Image.open(image))[0])[None], top_k=3)[0]
+    capsys.readouterr()
+    reset_accelerate_state()
+    assert run_cli(predict.main, ["--model", str(out), str(image)]) == 0
+    shown = "  ".join(f"{name} {probability:.3f}" for name, probability in expected)
+    assert capsys.readouterr().out == f"{image}: {shown}\n"
 
 
 def test_the_hardware_advice_warns_of_emulated_bf16_and_points_native_bf16_out():
