@@ -209,7 +209,9 @@ def training_images(results: RunResults) -> str:
     """The training images, and where the validation images came from, as the card states them."""
     if results.val_split:
         return f"{results.train_samples} ({results.val_samples} validation images: the '{results.val_split}' split)"
-    return f"{results.train_samples} ({results.val_samples} held out for validation)"
+    if results.val_samples:  # --max_eval_samples may validate on fewer than were held out
+        return f"{results.train_samples} (validated on {results.val_samples} images held out of the train split)"
+    return f"{results.train_samples} (no validation)"
 
 
 def normalization_text(results: RunResults) -> str:

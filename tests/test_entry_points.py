@@ -284,6 +284,14 @@ def test_compare_reports_every_preset_shape(runs, shape, tiny_dataset, capsys):
         assert f"| - | {results['test_accuracy']:.4f} |" in row
 
 
+@pytest.mark.parametrize(("shape", "row"), [("default", "294 (validated on 33 images held out of the train split)"),
+                                            ("fast", "327 (no validation)")])  # fmt: skip
+def test_the_model_card_says_what_the_run_validated_on(runs, shape, row):
+    """The card said '(0 held out for validation)' without validation, and with --max_eval_samples 10 '(10 held out
+    for validation)' where 33 were held out and 10 of them validated on."""
+    assert f"| training images | {row} |" in (runs[shape] / "README.md").read_text()
+
+
 @pytest.mark.parametrize("module", [evaluate, predict])
 def test_tta_below_confidence_without_tta_is_refused_as_training_refuses_it(runs, module, capsys, tmp_path):
     """evaluate and predict took --tta_below_confidence 0.7 without --tta and gave plain predictions, as if no

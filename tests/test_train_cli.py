@@ -66,6 +66,7 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert card.data.eval_results[0].metric_value == results["test_accuracy"]
     assert f"| test accuracy | {results['test_accuracy']:.4f} (test-time augmentation: none) |" in body
     assert f"| precision in effect | {precision} (requested `{precision}` by --mixed_precision flag) |" in body
+    assert "| training images | 294 (validated on 33 images held out of the train split) |" in body
     assert "![training curves](curves.png)" in body and "from cifar_accel import load_model" in body
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
