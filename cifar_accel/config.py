@@ -792,8 +792,11 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     )
     source_file = getattr(args, "config", None)
     label = f"the {source_file} preset" if source_file in preset_names() else f"config file {source_file}"
-    origins = {name: f"'{name}' in {label}" for name in from_file} | {name: f"--{name}" for name in cli}
-    origins = {name: origins.get(name, f"'{name}' (the default)") for name in FIELDS}
+    origins = (
+        {name: f"'{name}' (the default)" for name in FIELDS}
+        | {name: f"'{name}' in {label}" for name in from_file}
+        | {name: f"--{name}" for name in cli}
+    )
     check_combinations(config, origins)
     accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")  # Accelerate takes it over its argument
     if accumulation is not None and accumulation != str(config.gradient_accumulation_steps):

@@ -134,11 +134,12 @@ def main(argv: Sequence[str]) -> None:
 def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: Path) -> None:
     """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
     run = trained.config
+    precision, asked = inference_precision(args.mixed_precision, trained)
     # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
-    precision = inference_precision(args.mixed_precision, trained)
     accelerator = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend="no")
     check_joined(accelerator, "evaluate")
-    warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
+    if asked:
+        warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
         split, _ = load_split(
             args.dataset_name or run.dataset_name,

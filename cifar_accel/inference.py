@@ -144,11 +144,14 @@ def check_tta_flags(args: argparse.Namespace) -> None:
         check_acts("tta_below_confidence", vars(args), {"tta": "--tta"})
 
 
-def inference_precision(flag: str | None, trained: TrainedModel) -> str:
+def inference_precision(flag: str | None, trained: TrainedModel) -> tuple[str, bool]:
     """The precision evaluate and predict run ``trained`` in: --mixed_precision (``flag``), else accelerate launch's
-    (other than its default 'no'), else the run's own, in which its test accuracy was measured."""
+    (other than its default 'no'), else the run's own, in which its test accuracy was measured; and whether it was
+    asked for (by the flag or the launcher), which a device without it is worth a warning for. A GPU run's fp16 is
+    not: on a CPU its model runs in fp32, as a run there would."""
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    return resolve_mixed_precision(flag, launcher, trained.config.mixed_precision)[0]
+    precision, source = resolve_mixed_precision(flag, launcher, trained.config.mixed_precision)
+    return precision, source != "config file"
 
 
 def find_run_dir(weights: Path) -> Path:

@@ -116,10 +116,11 @@ def main(argv: Sequence[str]) -> None:
     trained = load_model(args.model)
     files, skipped = image_files(args.images)
     files, images, originals, unreadable = read_images(files, named={Path(name) for name in args.images})
+    precision, asked = inference_precision(args.mixed_precision, trained)
     # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
-    precision = inference_precision(args.mixed_precision, trained)
     accelerator = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend="no")
-    warn_if_not_in_effect(accelerator, "prediction runs in fp32")
+    if asked:
+        warn_if_not_in_effect(accelerator, "prediction runs in fp32")
     trained.model = accelerator.prepare(trained.model)
     batch_size = trained.config.per_device_eval_batch_size  # the rows of a batch are printed before the next starts
     for start in range(0, len(files), batch_size):

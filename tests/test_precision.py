@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cifar_accel import evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints
+from cifar_accel.config import TrainConfig
 from cifar_accel.data import image_to_rgb32
 from cifar_accel.engine import training_step
 from cifar_accel.errors import run_cli
+from cifar_accel.inference import inference_precision
 from cifar_accel.models import build_model
 from cifar_accel.precision import hardware_advice, precision_report
 from cifar_accel.telemetry import cpu_name
@@ -175,6 +178,22 @@ def test_evaluate_and_predict_run_in_the_runs_precision_unless_told(tiny_dataset
     assert run_cli(predict.main, ["--model", str(out), str(image)]) == 0
     shown = "  ".join(f"{name} {probability:.3f}" for name, probability in expected)
     assert capsys.readouterr().out == f"{image}: {shown}\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "launcher", "expected"),
+    [(None, None, ("fp16", False)), ("no", None, ("no", True)), (None, "bf16", ("bf16", True)),
+     (None, "no", ("fp16", False)), ("bf16", "no", ("bf16", True))],
+)  # fmt: skip
+def test_inference_takes_the_flag_then_the_launcher_then_the_runs_precision(flag, launcher, expected, monkeypatch):
+    """Only a precision asked for (by the flag or the launcher) is worth a warning where the device has none: a GPU
+    run's fp16, evaluated on a CPU, runs in fp32 as a run there would."""
+    if launcher is None:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    trained = types.SimpleNamespace(config=TrainConfig(mixed_precision="fp16"))
+    assert inference_precision(flag, trained) == expected
 
 
 def test_the_hardware_advice_warns_of_emulated_bf16_and_points_native_bf16_out():

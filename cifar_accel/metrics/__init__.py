@@ -22,9 +22,10 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
     try:
         return evaluate.load(str(METRICS_DIR / name), keep_in_memory=True)
     except OSError as err:
-        if not (disk_full(err) or err.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+        unwritable = err.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+        if not (unwritable or disk_full(err)):
             raise
-        problem = InputError if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else RunFault
+        problem = InputError if unwritable else RunFault
         where = err.filename or evaluate.config.HF_MODULES_CACHE
         raise problem(
             f"loading the metric '{name}' failed: `evaluate` copies it into the Hugging Face cache ({where}), which "
