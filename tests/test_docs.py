@@ -1,16 +1,20 @@
 """The documents stay true to the code: the flag reference is generated from the config and current, every
-relative link in the README and docs/ reaches a file, and a heading where it names one, and each command's --help
-opens with a whole sentence, the scripts' too."""
+relative link in the README and docs/ reaches a file, and a heading where it names one, each command's --help
+opens with a whole sentence, the scripts' too, and the README's commands after a first run work as written."""
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import write_results_table
+from PIL import Image
 
 from cifar_accel import compare, config, evaluate, export, predict
 from cifar_accel.compare import results_table
@@ -84,3 +88,33 @@ def test_the_readme_results_table_is_written_from_the_kept_compare_reports():
     fast = reports["fast_bf16"]["precisions"][0]
     assert f"{100 * fast['test_accuracy']['mean']:.2f}% ± {100 * fast['test_accuracy']['std']:.2f}" in block
     assert len(fast["per_seed"]) >= 3 and [row["seed"] for row in fast["per_seed"]] == fast["seeds"]
+
+
+def readme_block(after: str) -> list[list[str]]:
+    """The commands of the README's first code block after the line ``after``: continuation lines joined, comments
+    left out, each split as the shell would."""
+    text = (REPO / "README.md").read_text()
+    block = text.split(after, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_readmes_commands_after_a_first_run_work_as_written(tiny_dataset, cli_env, tmp_path):
+    """Each line of "Then use the model", run as written in the folder of a first run (its dataset the tiny one):
+    the resume line once left out the run's dataset, so it asked the Hub for CIFAR-10 and stopped."""
+    first = tmp_path / "outputs" / "first"
+    trained = subprocess.run([sys.executable, "-m", "cifar_accel.train", "--dataset_name", str(tiny_dataset),
+                              "--num_train_epochs", "3", "--output_dir", "outputs/first"], cwd=tmp_path, env=cli_env,
+                             capture_output=True, text=True)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    (tmp_path / "photos").mkdir()
+    for name in ("cat.png", "photos/dog.png"):
+        Image.new("RGB", (32, 32), (120, 80, 40)).save(tmp_path / name)
+    commands = readme_block("Then use the model:")
+    assert [command[:3] for command in commands] == [["python", "-m", f"cifar_accel.{name}"] for name in
+                                                     ("evaluate", "predict", "export", "train")]  # fmt: skip
+    for command in commands:
+        proc = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=cli_env, capture_output=True,
+                              text=True)  # fmt: skip
+        assert proc.returncode == 0, f"{command}: {proc.stderr}"
+    assert (first / "eval_test" / "metrics.json").is_file() and (first / "model.onnx").is_file()
+    assert json.loads((first / "results.json").read_text())["epochs_completed"] == 5
