@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from accelerate.utils import parse_flag_from_env
 
 from cifar_accel.errors import ArgumentParser, InputError, not_text, path_problem, suggest
 from cifar_accel.models import MODELS
@@ -773,6 +774,12 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
     precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
     values["mixed_precision"] = precision
+    for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
+        if parse_flag_from_env(variable):
+            raise InputError(
+                f"accelerate launch asked for {engine} ({variable}), which this package does not train with: it "
+                "trains in one process or with DDP in several; launch with a profile without it (accelerate_configs/)"
+            )
     dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()  # accelerate launch's torch dynamo backend
     if dynamo not in ("no", "inductor"):
         raise InputError(

@@ -340,3 +340,19 @@ def test_accelerates_gradient_accumulation_variable_is_refused_where_it_would_ov
     )
     config, _ = load_config(["--gradient_accumulation_steps", "4"])  # the two agree
     assert config.gradient_accumulation_steps == 4
+
+
+@pytest.mark.parametrize(("variable", "engine"), [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                                                  ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")])  # fmt: skip
+def test_a_launcher_profile_with_deepspeed_or_megatron_is_refused_in_one_line(variable, engine, monkeypatch):
+    """Such a profile made the run fail in Accelerate (an ImportError without the engine installed), where the
+    loop was never built for it."""
+    monkeypatch.setenv(variable, "false")
+    load_config([])
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(InputError) as err:
+        load_config([])
+    assert str(err.value) == (
+        f"accelerate launch asked for {engine} ({variable}), which this package does not train with: it trains in one "
+        "process or with DDP in several; launch with a profile without it (accelerate_configs/)"
+    )
