@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.tensorboard import SummaryWriter
 
-from cifar_accel.plots import MISSING, pyplot
+from cifar_accel.plots import MISSING, class_labels, figure_text, pyplot
 from cifar_accel.transforms import Normalization
 
 logger = get_logger(__name__)
@@ -67,11 +67,12 @@ def confusion_figure(confusion: list[list[int]], class_names: list[str], title: 
     fig, ax = plt.subplots(figsize=(size, size - 1), dpi=100)
     image = ax.imshow(fractions.numpy(), cmap="Blues", vmin=0, vmax=1)
     tick_size = 10 if labelled else 6
-    ax.set_xticks(range(classes), class_names, rotation=45 if labelled else 90, ha="right", fontsize=tick_size)
-    ax.set_yticks(range(classes), class_names, fontsize=tick_size)
+    labels = class_labels(class_names)
+    ax.set_xticks(range(classes), labels, rotation=45 if labelled else 90, ha="right", fontsize=tick_size)
+    ax.set_yticks(range(classes), labels, fontsize=tick_size)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
-    ax.set_title(title)
+    ax.set_title(figure_text(title))
     for i in range(classes if labelled else 0):
         for j in range(classes):
             ax.text(
@@ -91,7 +92,7 @@ def confusion_figure(confusion: list[list[int]], class_names: list[str], title: 
 def per_class_figure(per_class: list[dict[str, Any]], title: str) -> Any:
     """Each class's accuracy as a bar, with the overall accuracy as a line."""
     plt = pyplot()
-    names = [row["class"] for row in per_class]
+    names = class_labels([row["class"] for row in per_class])
     accuracies = [row["accuracy"] or 0.0 for row in per_class]
     overall = sum(row["correct"] for row in per_class) / max(1, sum(row["total"] for row in per_class))
     labelled = len(names) <= LABELLED_CLASSES
@@ -155,10 +156,11 @@ def log_test_pictures(
     predictions, references, confidences = (test[k].cpu() for k in ("predictions", "references", "confidences"))
     wrong = (predictions != references).nonzero().squeeze(1)
     worst = wrong[confidences[wrong].argsort(descending=True)[:MISTAKES]]
+    labels = class_labels(class_names)
     figures["test/confident_mistakes"] = mistakes_figure(
         images[worst],
-        [class_names[i] for i in references[worst]],
-        [class_names[i] for i in predictions[worst]],
+        [labels[i] for i in references[worst]],
+        [labels[i] for i in predictions[worst]],
         confidences[worst].tolist(),
         f"the {len(worst)} most confident of {len(wrong)} mistakes: true -> predicted",
     )

@@ -4,12 +4,13 @@ class."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
 
 from cifar_accel.metrics import classification_report, load_metric
-from cifar_accel.pictures import per_class_figure
+from cifar_accel.pictures import confusion_figure, per_class_figure
 
 # Per class: 0 has 1 true positive of 1 predicted and 2 actual (F1 2/3), 1 has 1 of 2 and 1 (2/3), 2 is exact (1),
 # and class 3 appears in neither list.
@@ -48,3 +49,17 @@ def test_the_per_class_figure_draws_one_bar_per_class_in_order_whatever_the_name
     assert [bar.get_height() for bar in bars] == accuracies
     assert [label.get_text() for label in ax.get_xticklabels()] == names
     assert not [r for r in caplog.records if r.name.startswith("matplotlib")]
+
+
+def test_figures_label_a_class_no_font_draws_by_its_number_and_show_a_dollar_as_itself():
+    """A class name with a character no font here has (CJK names on a machine without a CJK font; here an
+    unassigned code point, which no font has) was drawn as empty boxes, with matplotlib's warning on evaluate's
+    stderr; a '$' pair started math."""
+    names = ["cat", "dog \u0378", "$5 or $6"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a missing glyph's warning fails the test
+        fig = confusion_figure([[1, 0, 0], [0, 1, 0], [0, 0, 1]], names, "run \u0378")
+        fig.canvas.draw()
+    ax = fig.axes[0]
+    assert [label.get_text() for label in ax.get_xticklabels()] == ["cat", "#1", r"\$5 or \$6"]
+    assert ax.get_title() == "run ?"
