@@ -13,6 +13,7 @@ import logging
 import shlex
 import sys
 import typing
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,12 +86,30 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def columns(text: str) -> int:
+    """The columns ``text`` takes on a terminal: two for each wide character (CJK), one for any other."""
+    return sum(2 if unicodedata.east_asian_width(character) in "WF" else 1 for character in text)
+
+
+def padded(text: str, width: int, right: bool = False) -> str:
+    """``text`` filled with spaces to ``width`` columns, on the left where ``right`` (aligned right)."""
+    fill = " " * (width - columns(text))
+    return fill + text if right else text + fill
+
+
+def clipped(text: str, width: int) -> str:
+    """The longest start of ``text`` that fits in ``width`` columns."""
+    while columns(text) > width:
+        text = text[:-1]
+    return text
+
+
 def format_report(report: dict[str, Any], class_names: list[str]) -> str:
-    width = max(len(name) for name in class_names) + 2
-    lines = [f"{'class':<{width}}{'correct':>8}{'total':>8}{'accuracy':>10}"]
+    width = max(columns(name) for name in [*class_names, "class"]) + 2
+    lines = [f"{padded('class', width)}{'correct':>8}{'total':>8}{'accuracy':>10}"]
     for row in report["per_class"]:
         accuracy = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
-        lines.append(f"{row['class']:<{width}}{row['correct']:>8}{row['total']:>8}{accuracy:>10}")
+        lines.append(f"{padded(row['class'], width)}{row['correct']:>8}{row['total']:>8}{accuracy:>10}")
     lines.append(
         f"overall accuracy {report['accuracy']:.4f} | macro F1 {report['macro_f1']:.4f} | {report['samples']} images"
         + (f" | test-time augmentation: {report['tta']}" if report.get("tta", "none") != "none" else "")
@@ -98,9 +117,9 @@ def format_report(report: dict[str, Any], class_names: list[str]) -> str:
     if len(class_names) > LABELLED_CLASSES:  # too wide to print; the figure and metrics.json hold it
         return "\n".join(lines)
     lines.append("confusion matrix (rows: true class, columns: predicted class):")
-    lines.append(" " * width + "".join(f"{name[:6]:>7}" for name in class_names))
+    lines.append(" " * width + "".join(padded(clipped(name, 6), 7, right=True) for name in class_names))
     for name, row in zip(class_names, report["confusion_matrix"], strict=True):
-        lines.append(f"{name:<{width}}" + "".join(f"{count:>7}" for count in row))
+        lines.append(padded(name, width) + "".join(f"{count:>7}" for count in row))
     return "\n".join(lines)
 
 

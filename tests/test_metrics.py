@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from cifar_accel.evaluate import columns, format_report
 from cifar_accel.metrics import classification_report, load_metric
 from cifar_accel.pictures import confusion_figure, per_class_figure
 
@@ -63,3 +64,14 @@ def test_figures_label_a_class_no_font_draws_by_its_number_and_show_a_dollar_as_
     ax = fig.axes[0]
     assert [label.get_text() for label in ax.get_xticklabels()] == ["cat", "#1", r"\$5 or \$6"]
     assert ax.get_title() == "run ?"
+
+
+def test_the_printed_report_aligns_wide_class_names_and_short_ones():
+    """CJK class names take two terminal columns a character: counted as one, they pushed their rows' numbers
+    out of line; and names shorter than 'class' shifted the header."""
+    report = classification_report(torch.tensor([0, 1, 1]), torch.tensor([0, 1, 0]), ["c", "犬犬"])
+    lines = format_report(report, ["c", "犬犬"]).splitlines()
+    table, matrix = lines[:3], lines[5:]
+    assert len({columns(line) for line in table}) == 1 and len({columns(line) for line in matrix}) == 1
+    assert [columns(line.split("  ")[0]) for line in table] == [5, 1, 4]
+    assert matrix[0].endswith(" c   犬犬") and matrix[2].startswith("犬犬   ")
