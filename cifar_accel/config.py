@@ -721,6 +721,15 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return values
 
 
+def launcher_precision() -> str | None:
+    """The mixed precision accelerate launch asked for (its flag or profile, as ACCELERATE_MIXED_PRECISION), if
+    any; one this package does not train in (fp8) is refused."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is not None and launcher not in typing.get_args(Precision):
+        raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
+    return launcher
+
+
 def resolve_mixed_precision(flag: str | None, launcher: str | None, config_file: str | None) -> tuple[str, str]:
     """The requested precision and where it came from.
 
@@ -769,10 +778,9 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     values = {**from_file, **cli}
     for name, value in cli.items():
         values[name] = check_field(name, value, f"--{name}")
-    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if launcher is not None and launcher not in typing.get_args(Precision):
-        raise InputError(f"accelerate launch asked for mixed precision '{launcher}'; use no, fp16 or bf16")
-    precision, source = resolve_mixed_precision(cli.get("mixed_precision"), launcher, from_file.get("mixed_precision"))
+    precision, source = resolve_mixed_precision(
+        cli.get("mixed_precision"), launcher_precision(), from_file.get("mixed_precision")
+    )
     values["mixed_precision"] = precision
     for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
         if parse_flag_from_env(variable):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from cifar_accel.config import (
     TrainConfig,
     check_acts,
     check_field,
+    launcher_precision,
     read_config_file,
     resolve_mixed_precision,
 )
@@ -149,8 +149,7 @@ def inference_precision(flag: str | None, trained: TrainedModel) -> tuple[str, b
     (other than its default 'no'), else the run's own, in which its test accuracy was measured; and whether it was
     asked for (by the flag or the launcher), which a device without it is worth a warning for. A GPU run's fp16 is
     not: on a CPU its model runs in fp32, as a run there would."""
-    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    precision, source = resolve_mixed_precision(flag, launcher, trained.config.mixed_precision)
+    precision, source = resolve_mixed_precision(flag, launcher_precision(), trained.config.mixed_precision)
     return precision, source != "config file"
 
 

@@ -22,7 +22,7 @@ from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import image_to_rgb32
 from cifar_accel.engine import training_step
-from cifar_accel.errors import run_cli
+from cifar_accel.errors import InputError, run_cli
 from cifar_accel.inference import inference_precision
 from cifar_accel.models import build_model
 from cifar_accel.precision import hardware_advice, precision_report
@@ -224,3 +224,12 @@ def test_the_cpu_is_named_with_its_x86_family_and_model():
     intel = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
     assert cpu_name(intel) == "Intel(R) Xeon(R) Platinum 8488C (family 6 model 143)"
     assert cpu_name("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == "?"
+
+
+def test_a_launcher_precision_this_package_does_not_run_is_one_line_for_evaluate_and_predict_too(monkeypatch):
+    """ACCELERATE_MIXED_PRECISION=fp8 (accelerate launch --mixed_precision fp8) made evaluate and predict fail in
+    Accelerate ('ValueError: Using `fp8` precision requires `transformer_engine`...'), where train refused it."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    trained = types.SimpleNamespace(config=TrainConfig())
+    with pytest.raises(InputError, match=r"^accelerate launch asked for mixed precision 'fp8'; use no, fp16 or bf16$"):
+        inference_precision(None, trained)
