@@ -721,6 +721,17 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return values
 
 
+def check_launcher_engines() -> None:
+    """Refuse a launcher profile that asks for DeepSpeed or Megatron-LM, which Accelerate would set up, in one line:
+    the package runs in one process or with DDP in several."""
+    for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
+        if parse_flag_from_env(variable):
+            raise InputError(
+                f"accelerate launch asked for {engine} ({variable}), which this package does not run with: it runs "
+                "in one process or with DDP in several; launch with a profile without it (accelerate_configs/)"
+            )
+
+
 def launcher_precision() -> str | None:
     """The mixed precision accelerate launch asked for (its flag or profile, as ACCELERATE_MIXED_PRECISION), if
     any; one this package does not train in (fp8) is refused."""
@@ -782,12 +793,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         cli.get("mixed_precision"), launcher_precision(), from_file.get("mixed_precision")
     )
     values["mixed_precision"] = precision
-    for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
-        if parse_flag_from_env(variable):
-            raise InputError(
-                f"accelerate launch asked for {engine} ({variable}), which this package does not train with: it "
-                "trains in one process or with DDP in several; launch with a profile without it (accelerate_configs/)"
-            )
+    check_launcher_engines()
     dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()  # accelerate launch's torch dynamo backend
     if dynamo not in ("no", "inductor"):
         raise InputError(

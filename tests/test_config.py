@@ -353,6 +353,6 @@ def test_a_launcher_profile_with_deepspeed_or_megatron_is_refused_in_one_line(va
     with pytest.raises(InputError) as err:
         load_config([])
     assert str(err.value) == (
-        f"accelerate launch asked for {engine} ({variable}), which this package does not train with: it trains in one "
+        f"accelerate launch asked for {engine} ({variable}), which this package does not run with: it runs in one "
         "process or with DDP in several; launch with a profile without it (accelerate_configs/)"
     )

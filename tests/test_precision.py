@@ -226,10 +226,21 @@ def test_the_cpu_is_named_with_its_x86_family_and_model():
     assert cpu_name("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == "?"
 
 
-def test_a_launcher_precision_this_package_does_not_run_is_one_line_for_evaluate_and_predict_too(monkeypatch):
-    """ACCELERATE_MIXED_PRECISION=fp8 (accelerate launch --mixed_precision fp8) made evaluate and predict fail in
-    Accelerate ('ValueError: Using `fp8` precision requires `transformer_engine`...'), where train refused it."""
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+@pytest.mark.parametrize(
+    ("variable", "value", "line"),
+    [("ACCELERATE_MIXED_PRECISION", "fp8", "accelerate launch asked for mixed precision 'fp8'; use no, fp16 or bf16"),
+     ("ACCELERATE_USE_DEEPSPEED", "true", "accelerate launch asked for DeepSpeed (ACCELERATE_USE_DEEPSPEED), which "
+      "this package does not run with: it runs in one process or with DDP in several; launch with a profile without "
+      "it (accelerate_configs/)")],
+    ids=["fp8", "deepspeed"],
+)  # fmt: skip
+def test_a_launcher_setting_this_package_does_not_run_is_one_line_for_evaluate_and_predict_too(
+    variable, value, line, monkeypatch
+):
+    """accelerate launch --mixed_precision fp8, or a DeepSpeed profile, made evaluate and predict fail in Accelerate
+    ('ValueError: Using `fp8` precision requires `transformer_engine`...', an ImportError), where train refused them."""
+    monkeypatch.setenv(variable, value)
     trained = types.SimpleNamespace(config=TrainConfig())
-    with pytest.raises(InputError, match=r"^accelerate launch asked for mixed precision 'fp8'; use no, fp16 or bf16$"):
+    with pytest.raises(InputError) as err:
         inference_precision(None, trained)
+    assert str(err.value) == line
