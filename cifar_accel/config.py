@@ -732,6 +732,31 @@ def check_launcher_engines() -> None:
             )
 
 
+def launcher_compiles() -> bool:
+    """Whether accelerate launch asked torch dynamo to compile the model with inductor (ACCELERATE_DYNAMO_BACKEND),
+    which --torch_compile does in place; another backend is refused."""
+    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if dynamo not in ("no", "inductor"):
+        raise InputError(
+            f"accelerate launch asked torch dynamo for its '{dynamo}' backend; this package compiles the model itself, "
+            "with inductor (--torch_compile), so that checkpoints load into a model compiled or not: choose no or "
+            "inductor for dynamo in the accelerate profile (accelerate config), or launch with --dynamo_backend no"
+        )
+    return dynamo == "inductor"
+
+
+def check_launcher_accumulation(config: TrainConfig, origins: dict[str, str]) -> None:
+    """Refuse an ACCELERATE_GRADIENT_ACCUMULATION_STEPS other than the run's: Accelerate takes it over its argument."""
+    accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if accumulation is not None and accumulation != str(config.gradient_accumulation_steps):
+        raise InputError(
+            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS is {accumulation} (accelerate launch sets it for DeepSpeed), and "
+            f"Accelerate would accumulate that many batches where {origins['gradient_accumulation_steps']} is "
+            f"{config.gradient_accumulation_steps}; unset it, and give --gradient_accumulation_steps to "
+            "cifar_accel.train"
+        )
+
+
 def launcher_precision() -> str | None:
     """The mixed precision accelerate launch asked for (its flag or profile, as ACCELERATE_MIXED_PRECISION), if
     any; one this package does not train in (fp8) is refused."""
@@ -794,14 +819,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     )
     values["mixed_precision"] = precision
     check_launcher_engines()
-    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()  # accelerate launch's torch dynamo backend
-    if dynamo not in ("no", "inductor"):
-        raise InputError(
-            f"accelerate launch asked torch dynamo for its '{dynamo}' backend; this package compiles the model itself, "
-            "with inductor (--torch_compile), so that checkpoints load into a model compiled or not: choose no or "
-            "inductor for dynamo in the accelerate profile (accelerate config), or launch with --dynamo_backend no"
-        )
-    if dynamo == "inductor" and "torch_compile" not in cli:  # after this script's flag, as for the precision
+    if launcher_compiles() and "torch_compile" not in cli:  # after this script's flag, as for the precision
         values["torch_compile"] = True
     config = TrainConfig(**values)
     resume = config.resume_from_checkpoint
@@ -819,14 +837,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         | {name: f"--{name}" for name in cli}
     )
     check_combinations(config, origins)
-    accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")  # Accelerate takes it over its argument
-    if accumulation is not None and accumulation != str(config.gradient_accumulation_steps):
-        raise InputError(
-            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS is {accumulation} (accelerate launch sets it for DeepSpeed), and "
-            f"Accelerate would accumulate that many batches where {origins['gradient_accumulation_steps']} is "
-            f"{config.gradient_accumulation_steps}; unset it, and give --gradient_accumulation_steps to "
-            "cifar_accel.train"
-        )
+    check_launcher_accumulation(config, origins)
     return config, source
 
 
