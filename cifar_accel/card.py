@@ -83,7 +83,7 @@ def card_metadata(config: TrainConfig, results: RunResults, run_name: str, class
                 task_name="Image Classification",
                 dataset_type=dataset_id,
                 dataset_name=dataset_label,
-                dataset_split="test",
+                dataset_split=tested_split(config, results),
                 metric_type="accuracy",
                 metric_value=results.test_accuracy,
                 metric_name=f"Test accuracy (TTA: {results.tta})",
@@ -152,7 +152,7 @@ Hugging Face Accelerate.
 | test accuracy | {results.test_accuracy:.4f} (test-time augmentation: {results.tta}) |
 | test accuracy without TTA | {results.test_accuracy_no_tta:.4f} |
 | tested | {tested}{averaged} |
-| test images | {results.test_samples} |
+| test images | {tested_images(config, results)} |
 | epochs | {epochs_text(results.epochs_trained)}{epochs_note(config, results)} |
 
 ## Training
@@ -162,7 +162,7 @@ Hugging Face Accelerate.
 | precision in effect | {results.mixed_precision} (requested `{results.requested_mixed_precision}` by {results.mixed_precision_source}) |
 | hardware | {machine}, {results.num_processes} process(es), device `{results.device}` |
 | batch, learning rate | {results.global_batch_size} global, {results.learning_rate:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
-| training images | {training_images(results)} |
+| training images | {training_images(config, results)} |
 | speed | {results.seconds_per_epoch:.1f} s per epoch, {results.train_images_per_second:.0f} training images/s |
 | peak memory | {results.peak_memory_mib:.0f} MiB ({results.peak_memory_measure}) |
 | input | {normalization_text(results)} |
@@ -205,13 +205,36 @@ def epochs_note(config: TrainConfig, results: RunResults) -> str:
     return f" ({config.max_train_steps} optimizer steps: --max_train_steps{last})"
 
 
-def training_images(results: RunResults) -> str:
-    """The training images, and where the validation images came from, as the card states them."""
+def training_images(config: TrainConfig, results: RunResults) -> str:
+    """The training images, where they came from (--max_train_samples) and where the validation images came from,
+    as the card states them."""
+    first = config.max_train_samples
+    source = f"from the train split's first {first} images, --max_train_samples; " if first is not None else ""
     if results.val_split:
-        return f"{results.train_samples} ({results.val_samples} validation images: the '{results.val_split}' split)"
-    if results.val_samples:  # --max_eval_samples may validate on fewer than were held out
-        return f"{results.train_samples} (validated on {results.val_samples} images held out of the train split)"
-    return f"{results.train_samples} (no validation)"
+        validation = f"{results.val_samples} validation images: the '{results.val_split}' split"
+    elif results.val_samples:  # --max_eval_samples may validate on fewer than were held out
+        validation = f"validated on {results.val_samples} images held out of the train split"
+    else:
+        validation = "no validation"
+    return f"{results.train_samples} ({source}{validation})"
+
+
+def tested_subset(config: TrainConfig, results: RunResults) -> bool:
+    """Whether --max_eval_samples tested the first images of the test split only (fewer than it holds, or all)."""
+    return config.max_eval_samples is not None and results.test_samples == config.max_eval_samples
+
+
+def tested_split(config: TrainConfig, results: RunResults) -> str:
+    """The test split as the card's metadata names it: with --max_eval_samples, in the slicing notation of
+    ``datasets`` (``test[:N]``), so that the Hub does not show the accuracy of a part as the whole split's."""
+    return f"test[:{results.test_samples}]" if tested_subset(config, results) else "test"
+
+
+def tested_images(config: TrainConfig, results: RunResults) -> str:
+    """The test images, as the card states them."""
+    if tested_subset(config, results):
+        return f"{results.test_samples} (the first {results.test_samples} of the test split: --max_eval_samples)"
+    return str(results.test_samples)
 
 
 def normalization_text(results: RunResults) -> str:

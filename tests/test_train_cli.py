@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.precision import hardware_advice, native_bf16
 
-from conftest import read_results, run_cli, tiny_args
+from conftest import read_results, run_cli, tiny_args, train_in_process
 
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
 
@@ -111,6 +111,24 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert val_accuracy.value == pytest.approx(results["history"][0]["val_accuracy"])
     (test_accuracy,) = events.Scalars("test/accuracy")
     assert test_accuracy.value == pytest.approx(results["test_accuracy"])
+
+
+def test_the_card_of_a_run_on_part_of_the_data_says_which_part(tiny_dataset, tmp_path):
+    """With --max_eval_samples 40 the card's metadata named the whole test split, so that the Hub would show the
+    accuracy on 40 images as the split's, and its rows gave the counts without saying they were the first ones."""
+    out = tmp_path / "run"
+    assert train_in_process(tiny_args(tiny_dataset, out, "--max_train_samples", "200", "--max_eval_samples", "40")) == 0
+    results = read_results(out)
+    assert (results["train_samples"], results["val_samples"], results["test_samples"]) == (180, 20, 40)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.eval_results[0].dataset_split == "test[:40]"
+    assert card.data.eval_results[0].metric_value == results["test_accuracy"]
+    body = card.text
+    assert "| test images | 40 (the first 40 of the test split: --max_eval_samples) |" in body
+    assert (
+        "| training images | 180 (from the train split's first 200 images, --max_train_samples; validated on 20 "
+        "images held out of the train split) |" in body
+    )
 
 
 def test_fp16_on_cpu_warns_once_and_records_fp32(tiny_dataset, cli_env, tmp_path):
