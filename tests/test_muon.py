@@ -258,8 +258,8 @@ def test_under_fp16_the_fast_presets_accumulated_batches_make_one_step_on_their_
     steps = config.gradient_accumulation_steps
     model = build_model("fast_net", num_classes=10)
     reference = copy.deepcopy(model)
-    images, labels = torch.randn(4 * steps, 3, 32, 32), torch.randint(0, 10, (4 * steps,))
-    batches = list(zip(images.split(4), labels.split(4), strict=True))
+    images, labels = torch.randn(2 * steps, 3, 32, 32), torch.randint(0, 10, (2 * steps,))
+    batches = list(zip(images.split(2), labels.split(2), strict=True))
     for batch_images, batch_labels in batches:
         with torch.autocast("cpu", dtype=torch.float16):
             (F.cross_entropy(reference(batch_images), batch_labels) / steps * 2.0**14).backward()
