@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from datasets.fingerprint import Hasher
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
@@ -46,6 +46,33 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 
 DATASET_LAYOUTS = "Hub layout: data/train-*.parquet; image folder: train/<class>/"
 SAMPLES_FLAGS = {"--split": "--max_eval_samples", "--check_split": "--check_samples"}  # each split flag's first-N flag
+
+
+# What a clone of a dataset repository without git-lfs holds in place of each large file: a small text file that
+# starts so (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
+GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+GIT_LFS_FIX = "a clone without git-lfs leaves these; run `git lfs install` and `git lfs pull` in the repository"
+
+
+def git_lfs_pointer(source: str | os.PathLike | io.BytesIO) -> bool:
+    """Whether a file (or the bytes of one) is a Git LFS pointer rather than the content it stands for."""
+    if isinstance(source, io.BytesIO):
+        return source.getvalue().startswith(GIT_LFS_POINTER)
+    try:
+        with open(source, "rb") as file:
+            return file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER
+    except OSError:
+        return False
+
+
+def first_git_lfs_pointer(folder: Path) -> Path | None:
+    """The first Git LFS pointer among a dataset folder's files, if any (pointers are under 1 KB)."""
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = Path(root, name)
+            if path.stat().st_size < 1024 and git_lfs_pointer(path):
+                return path
+    return None
 
 
 def local_copy_hint(dataset_flag: str) -> str:
@@ -212,6 +239,11 @@ def load_raw(
             ) from None
         if "corresponds to no data" in str(err):  # how `datasets` reports a split without rows
             raise InputError(f"dataset '{dataset_name}' has an empty split ({err}); every split needs images") from None
+        if looks_like_path(dataset_name) and (pointer := first_git_lfs_pointer(Path(path))):
+            raise InputError(
+                f"cannot load dataset '{dataset_name}': {pointer} is a Git LFS pointer, not the data it stands for; "
+                f"{GIT_LFS_FIX}"
+            ) from None
         if not isinstance(err, (FileNotFoundError, ValueError)):
             raise  # a fault of the machine (an I/O error) or of `datasets`, reported as such
         fix = (
@@ -301,15 +333,26 @@ class ImageTooLarge(ValueError):
     """An image declares more than ``MAX_IMAGE_PIXELS`` pixels."""
 
 
+class GitLfsPointer(ValueError):
+    """An image file that is a Git LFS pointer, not the image."""
+
+
 def to_rgb32(source: str | Path | io.BytesIO) -> tuple[np.ndarray, str | None]:
     """Decode an image file into a (3, 32, 32) uint8 array, converting other modes and sizes (``image_to_rgb32``).
 
     Training data and the images given to ``predict`` go through this same function. Raises ``ImageTooLarge``
-    above ``MAX_IMAGE_PIXELS``, and PIL's errors for a file that is not a readable image.
+    above ``MAX_IMAGE_PIXELS``, ``GitLfsPointer`` for the pointer a clone without git-lfs leaves, and PIL's errors
+    for a file that is not a readable image.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)  # refused below instead of warned about
-        with Image.open(source) as image:
+        try:
+            opened = Image.open(source)
+        except UnidentifiedImageError:
+            if git_lfs_pointer(source):
+                raise GitLfsPointer(f"a Git LFS pointer, not the image; {GIT_LFS_FIX}") from None
+            raise
+        with opened as image:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ImageTooLarge(f"{image.width}x{image.height} pixels, more than the {MAX_IMAGE_PIXELS:,} accepted")
             image.load()
@@ -369,6 +412,8 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
             where, fix = f"column '{image_column}'", "fix or drop that row"
             if image["bytes"] is None:  # a row of an image folder is a file, which its row number would not find
                 where, fix = f"{where}, file {image['path']}", "fix or remove that file"
+            if isinstance(err, GitLfsPointer):
+                raise InputError(f"{split} image {index} ({where}) is {err}") from None
             reason = f"{type(err).__name__}: {one_line(err)[:200]}"
             raise InputError(f"{split} image {index} ({where}) cannot be decoded ({reason}); {fix}") from None
         pixels.append(array)

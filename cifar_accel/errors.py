@@ -185,6 +185,7 @@ def keep_stderr_for_errors() -> None:
             replacement.setFormatter(handler.formatter)
             logger.removeHandler(handler)
             logger.addHandler(replacement)
+            logger.propagate = False  # printed once, by its own handler, not again by the command's (basicConfig)
 
 
 def report_thread_failure(args: threading.ExceptHookArgs) -> None:

@@ -67,6 +67,13 @@ def make_images(count: int, seed: int) -> tuple[list[Image.Image], list[int]]:
     return images, labels
 
 
+# What a clone of a dataset repository without git-lfs holds in place of a large file.
+GIT_LFS_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 120200000\n"
+)
+
+
 def write_hub_dataset(root: Path, train_size: int, test_size: int) -> Path:
     """A dataset folder laid out like the Hub's uoft-cs/cifar10 (columns img, label) as parquet."""
     features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASS_NAMES)})

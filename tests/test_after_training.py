@@ -20,7 +20,7 @@ from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 
 import summarize_runs
-from conftest import CLASS_NAMES, REPO, make_images, read_results, run_cli, tiny_args, train_in_process
+from conftest import CLASS_NAMES, GIT_LFS_POINTER, REPO, make_images, read_results, run_cli, tiny_args, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +208,17 @@ def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(train
         image.save(folder / f"{i}.png")
     (folder / "empty.jpg").write_bytes(b"")
     (folder / "cut.png").write_bytes((folder / "0.png").read_bytes()[:60])  # a download that stopped early
+    (folder / "pointer.png").write_text(GIT_LFS_POINTER)  # a clone without git-lfs
     proc = run_cli(["--model", str(trained_run), str(folder), "--format", "jsonl"], cli_env,
                    module="cifar_accel.predict")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [Path(row["file"]).name for row in rows if "top_k" in row] == ["0.png", "1.png", "2.png"]
     skipped = {Path(row["file"]).name: row["skipped"] for row in rows if "skipped" in row}
-    assert sorted(skipped) == ["cut.png", "empty.jpg"]
+    assert sorted(skipped) == ["cut.png", "empty.jpg", "pointer.png"]
     assert all(reason.startswith("cannot be read (") for reason in skipped.values())
+    assert "a Git LFS pointer, not the image;" in skipped["pointer.png"] and "git lfs pull" in skipped["pointer.png"]
+    (folder / "pointer.png").unlink()
 
     # The refusals, in process: the same main as the command line's.
     assert run_main(predict.main, ["--model", str(trained_run), str(folder / "0.png"), str(folder / "cut.png")]) == 2

@@ -13,6 +13,7 @@ from PIL import Image
 from conftest import (
     CLASS_NAMES,
     FEATURES,
+    GIT_LFS_POINTER,
     corrupt_dataset,
     good_split,
     make_images,
@@ -69,6 +70,24 @@ def no_image_column(root: Path) -> Path:
     features = datasets.Features({"pixels": datasets.Value("string"), "label": datasets.ClassLabel(names=CLASS_NAMES)})
     split = datasets.Dataset.from_dict({"pixels": ["a"] * 10, "label": list(range(10))}, features=features)
     return write_split_files(root, split, split)
+
+
+def git_lfs_pointers(root: Path) -> Path:
+    """A dataset repository cloned without git-lfs: each parquet file is the pointer that stands for it."""
+    write_split_files(root, good_split(), good_split())
+    for path in root.glob("data/*.parquet"):
+        path.write_text(GIT_LFS_POINTER)
+    return root
+
+
+def git_lfs_pointer_image(root: Path) -> Path:
+    """An image folder cloned without git-lfs: its PNG files are pointers."""
+    for split in ("train", "test"):
+        for index, class_name in enumerate(CLASS_NAMES[:2] * 40):
+            folder = root / split / class_name
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{index}.png").write_text(GIT_LFS_POINTER)
+    return root
 
 
 def bad_yaml(root: Path) -> Path:
@@ -130,6 +149,11 @@ CASES = [
     ("not-an-image-column", ["--dataset_name", "{data}", "--image_column_name", "label"], 2,
      ["image column 'label' holds ClassLabel, not images (Image columns: img)", "--image_column_name"]),
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
+    ("git-lfs-pointers", ["--dataset_name", "{made}"], 2,
+     ["-00000-of-00001.parquet is a Git LFS pointer, not the data it stands for; a clone without git-lfs leaves these; "
+      "run `git lfs install` and `git lfs pull` in the repository"]),
+    ("git-lfs-pointer-image", ["--dataset_name", "{made}"], 2,
+     ["train image 0 (column 'image', file ", "0.png) is a Git LFS pointer, not the image;", "`git lfs pull`"]),
     ("empty-split", ["--dataset_name", "{made}"], 2, ["has an empty split", "\"test\""]),
     ("label-out-of-range", ["--dataset_name", "{made}"], 2, ["label -3 at index 5"]),
     ("a-missing-label", ["--dataset_name", "{made}"], 2,
@@ -185,6 +209,8 @@ MAKERS = {
     "no-label-column": no_label_column,
     "no-image-column": no_image_column,
     "corrupt-image": corrupt_dataset,
+    "git-lfs-pointers": git_lfs_pointers,
+    "git-lfs-pointer-image": git_lfs_pointer_image,
     "one-class": one_class,
     "resume-run-folder": run_folder,
     "resume-checkpoints-folder": run_folder,
@@ -198,8 +224,8 @@ MAKERS = {
 
 # These go through a real subprocess, where anything else on stderr (a library's warning at import) would show; the
 # other cases run the same entry point in this process (train_here), seconds faster each.
-THROUGH_THE_CLI = {"unknown-flag", "yaml-does-not-parse", "dataset-missing", "corrupt-image", "resume-missing",
-                   "nesterov-from-preset", "idle-momentum"}  # fmt: skip
+THROUGH_THE_CLI = {"unknown-flag", "yaml-does-not-parse", "dataset-missing", "corrupt-image", "git-lfs-pointers",
+                   "resume-missing", "nesterov-from-preset", "idle-momentum"}  # fmt: skip
 
 
 @pytest.fixture
@@ -240,6 +266,15 @@ def test_bad_input_found_after_the_output_folder_is_made_leaves_no_folder(tiny_d
     proc = run_cli(["--output_dir", str(tmp_path / "new" / "run"), *args], cli_env)
     assert proc.returncode == code and words[0] in proc.stderr, proc.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_libraries_log_line_is_printed_once(cli_env, tmp_path):
+    """`datasets` logs the parquet reader's failure through its own handler, and its logger propagates to the root
+    logger, where the command's handler printed it a second time."""
+    proc = run_cli(["--dataset_name", str(git_lfs_pointers(tmp_path / "clone")), "--output_dir", str(tmp_path / "out")],
+                   cli_env)  # fmt: skip
+    assert proc.returncode == 2 and "is a Git LFS pointer" in proc.stderr, proc.stderr
+    assert proc.stdout.count("Parquet magic bytes not found") == 1, proc.stdout
 
 
 def test_odd_images_are_converted_with_a_note(cli_env, tmp_path):
