@@ -32,7 +32,7 @@ from cifar_accel.config import (
     read_config_file,
     resolve_mixed_precision,
 )
-from cifar_accel.data import IMAGE_SIZE, image_to_rgb32
+from cifar_accel.data import GIT_LFS_FIX, IMAGE_SIZE, git_lfs_pointer, image_to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line, path_problem
 from cifar_accel.models import build_model
@@ -238,6 +238,8 @@ def load_model(path: str | Path) -> TrainedModel:
     try:
         state = validated_weights(weights.parent) if in_own_checkpoint else safetensors.torch.load_file(weights)
     except (SafetensorError, OSError) as err:
+        if git_lfs_pointer(weights):  # a model repository cloned without git-lfs
+            raise InputError(f"'{weights}' is a Git LFS pointer, not the weights; {GIT_LFS_FIX}") from None
         raise InputError(
             f"'{weights}' cannot be read as safetensors weights, damaged or cut short ({one_line(err)[:300]}); "
             "pass an intact copy, or a checkpoint folder of the run"

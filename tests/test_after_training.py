@@ -86,6 +86,16 @@ def test_cut_short_weights_are_one_line_that_says_so(trained_run, cli_env, tmp_p
     assert line.startswith(f"error: '{weights}' cannot be read as safetensors weights, damaged or cut short (")
     assert not (run / "eval_test").exists()
 
+    # A model repository cloned without git-lfs holds a pointer in place of the weights, which it names.
+    weights.write_text(GIT_LFS_POINTER)
+    proc = evaluate(run, cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == (
+        f"error: '{weights}' is a Git LFS pointer, not the weights; a clone without git-lfs leaves these; run `git lfs "
+        "install` and `git lfs pull` in the repository"
+    )
+
 
 def test_predict_matches_the_model_on_the_datasets_own_copies(trained_run, cli_env, tmp_path):
     """Files of several kinds (PNG, JPEG, grayscale, not 32x32) are written first; a dataset built from those same
