@@ -75,6 +75,20 @@ def first_git_lfs_pointer(folder: Path) -> Path | None:
     return None
 
 
+HUB_COPIES = {"CIFAR-10": "uoft-cs/cifar10", "CIFAR-100": "uoft-cs/cifar100"}
+
+
+def pickled_cifar(folder: Path) -> str | None:
+    """'CIFAR-10' or 'CIFAR-100' where a folder is (or holds, as torchvision's root folder does) that dataset's python
+    version, cifar-10-batches-py or cifar-100-python, else None."""
+    for inside in (folder, folder / "cifar-10-batches-py", folder / "cifar-100-python"):
+        if (inside / "batches.meta").is_file() and (inside / "data_batch_1").is_file():
+            return "CIFAR-10"
+        if all((inside / name).is_file() for name in ("meta", "train", "test")):
+            return "CIFAR-100"
+    return None
+
+
 def local_copy_hint(dataset_flag: str) -> str:
     return f"pass {dataset_flag} with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg"
 
@@ -246,6 +260,12 @@ def load_raw(
             ) from None
         if not isinstance(err, (FileNotFoundError, ValueError)):
             raise  # a fault of the machine (an I/O error) or of `datasets`, reported as such
+        if looks_like_path(dataset_name) and (hub_copy := pickled_cifar(Path(path))):
+            raise InputError(
+                f"cannot load dataset '{dataset_name}': it holds {hub_copy}'s python version (the pickled batches "
+                f"that torchvision downloads), which datasets does not read; pass {dataset_flag} "
+                f"{HUB_COPIES[hub_copy]} (downloaded once and cached by datasets), or a local copy in Hub layout"
+            ) from None
         fix = (
             f"; pass a folder that datasets.load_dataset reads ({DATASET_LAYOUTS})"
             if looks_like_path(dataset_name)

@@ -3,10 +3,12 @@ subprocess would add only seconds): exit code, one clear line on stderr, nothing
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -90,6 +92,26 @@ def git_lfs_pointer_image(root: Path) -> Path:
     return root
 
 
+def cifar10_python_version(root: Path) -> Path:
+    """CIFAR-10's pickled batches as torchvision downloads them (a few images each)."""
+    root.mkdir(parents=True)
+    images, labels = make_images(20, 0)
+    rows = np.stack([np.asarray(image).transpose(2, 0, 1).reshape(-1) for image in images])
+    for name in ("data_batch_1", "data_batch_2", "test_batch"):
+        batch = {b"batch_label": name.encode(), b"labels": labels, b"data": rows, b"filenames": [b"x.png"] * 20}
+        (root / name).write_bytes(pickle.dumps(batch))
+    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [n.encode() for n in CLASS_NAMES]}))
+    return root
+
+
+def cifar100_in_torchvisions_folder(root: Path) -> Path:
+    """torchvision's root folder (its `root=` argument) holding CIFAR-100's python version, as files named so."""
+    (root / "cifar-100-python").mkdir(parents=True)
+    for name in ("meta", "train", "test"):
+        (root / "cifar-100-python" / name).write_bytes(pickle.dumps({b"fine_labels": [0]}))
+    return root
+
+
 def bad_yaml(root: Path) -> Path:
     root.mkdir()
     (root / "bad.yaml").write_text("learning_rate: [0.1\n")
@@ -149,6 +171,11 @@ CASES = [
     ("not-an-image-column", ["--dataset_name", "{data}", "--image_column_name", "label"], 2,
      ["image column 'label' holds ClassLabel, not images (Image columns: img)", "--image_column_name"]),
     ("corrupt-image", ["--dataset_name", "{made}"], 2, ["image 17", "cannot be decoded"]),
+    ("cifar10-python-version", ["--dataset_name", "{made}"], 2,
+     ["it holds CIFAR-10's python version (the pickled batches that torchvision downloads), which datasets does not "
+      "read; pass --dataset_name uoft-cs/cifar10 (downloaded once"]),
+    ("cifar100-in-torchvisions-folder", ["--dataset_name", "{made}"], 2,
+     ["it holds CIFAR-100's python version", "pass --dataset_name uoft-cs/cifar100 ("]),
     ("git-lfs-pointers", ["--dataset_name", "{made}"], 2,
      ["-00000-of-00001.parquet is a Git LFS pointer, not the data it stands for; a clone without git-lfs leaves these; "
       "run `git lfs install` and `git lfs pull` in the repository"]),
@@ -209,6 +236,8 @@ MAKERS = {
     "no-label-column": no_label_column,
     "no-image-column": no_image_column,
     "corrupt-image": corrupt_dataset,
+    "cifar10-python-version": cifar10_python_version,
+    "cifar100-in-torchvisions-folder": cifar100_in_torchvisions_folder,
     "git-lfs-pointers": git_lfs_pointers,
     "git-lfs-pointer-image": git_lfs_pointer_image,
     "one-class": one_class,
