@@ -972,6 +972,8 @@ def flag_reference() -> str:
         f"| `--config` | | | A packaged preset ({', '.join(f'`{n}`' for n in preset_names())}) or a YAML file of "
         "config values; flags override it. |",
         "| `--debug` | | | Show tracebacks on errors. |",
+        "| `--version` | | | Print the versions of cifar_accel, Python and the libraries it runs on, and exit (every "
+        "command takes it). |",
     ]
     for name, f in FIELDS.items():
         kind, choices, _ = _unwrap(_TYPES[name])

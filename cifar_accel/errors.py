@@ -13,6 +13,7 @@ import difflib
 import io
 import logging
 import os
+import platform
 import sys
 import threading
 import typing
@@ -43,9 +44,47 @@ def suggest(name: str, candidates: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def versions() -> dict[str, str]:
+    """The versions of this package, Python and the libraries a run's numbers depend on (torch's with its build, as
+    ``+cu130``), as results.json records them and ``--version`` prints them."""
+    import accelerate  # imported by every command already; here rather than at the top, which stays light
+    import datasets
+    import evaluate
+    import torch
+
+    from cifar_accel import __version__
+
+    return {
+        "cifar_accel": __version__,
+        "python": platform.python_version(),
+        **{module.__name__: module.__version__ for module in (torch, accelerate, datasets, evaluate)},
+    }
+
+
+class PrintVersions(argparse.Action):
+    """``--version``: the versions, on one line, and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: typing.Any) -> None:
+        kwargs.pop("default", None)  # a parser's argument_default; this flag takes no value
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: typing.Any) -> NoReturn:
+        first, *others = (f"{name} {version}" for name, version in versions().items())
+        print(f"{first} ({', '.join(others)})")
+        parser.exit()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage, and an
-    unknown flag with the one it was probably meant to be."""
+    unknown flag with the one it was probably meant to be; every command takes ``--version``."""
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--version",
+            action=PrintVersions,
+            help="Print the versions of cifar_accel, Python and the libraries it runs on, and exit.",
+        )
 
     def error(self, message: str) -> NoReturn:
         raise InputError(f"{message} (see --help)")

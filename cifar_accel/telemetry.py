@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import accelerate
-import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from cifar_accel.errors import versions
 from cifar_accel.precision import cpu_flags, native_bf16
 from cifar_accel.run import Run
 from cifar_accel.state import RESULTS_SCHEMA_VERSION, EpochRecord, RunResults, TrainerState
@@ -146,10 +145,5 @@ def run_results(run: Run, test: dict[str, Any]) -> RunResults:
         normalization=run.data.normalization.to_dict(),
         val_split=run.data.val_split,
         schema_version=RESULTS_SCHEMA_VERSION,
-        versions={
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "accelerate": accelerate.__version__,
-            "datasets": datasets.__version__,
-        },
+        versions=versions(),
     )

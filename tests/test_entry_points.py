@@ -4,14 +4,19 @@ forked from another folder's checkpoint. Each must agree with what the run itsel
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import accelerate
+import datasets
+import evaluate as evaluate_library
 import numpy as np
 import pytest
 import torch
@@ -19,6 +24,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
+import cifar_accel
 from cifar_accel import compare, evaluate, export, load_model, predict, train
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.data import load_split
@@ -350,12 +356,32 @@ VERSION_2_KEYS = {"image_column", "label_column", "normalization"}
 VERSION_3_KEYS = {"val_split"}
 
 
+@pytest.mark.parametrize("module", [train, evaluate, predict, export, compare])
+def test_every_command_prints_its_versions(module, capsys):
+    """--version is one line: the package's version (the one source of the installed package's), then Python's and
+    the libraries'; exit code 0, as argparse's own version flag exits."""
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--version"])
+    assert stopped.value.code in (0, None)
+    out, err = capsys.readouterr()
+    assert err == "" and out == (
+        f"cifar_accel {cifar_accel.__version__} (python {platform.python_version()}, torch {torch.__version__}, "
+        f"accelerate {accelerate.__version__}, datasets {datasets.__version__}, "
+        f"evaluate {evaluate_library.__version__})\n"
+    )
+    assert importlib.metadata.version("cifar-accel") == cifar_accel.__version__
+
+
 def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
     written = json.loads((runs["default"] / "results.json").read_text())
     assert set(written) == RESULTS_KEYS | VERSION_2_KEYS | VERSION_3_KEYS | {"schema_version"}
     assert written["schema_version"] == 3 and written["val_split"] is None  # a part of train held out
     assert (written["image_column"], written["label_column"]) == ("img", "label")
     assert written["normalization"]["mean"] == [0.4914, 0.4822, 0.4465]  # CIFAR-10's classes: its constants
+    assert (
+        written["versions"]["cifar_accel"] == cifar_accel.__version__
+        and written["versions"]["torch"] == torch.__version__
+    )
     older = {k: v for k, v in written.items() if k in RESULTS_KEYS}  # as written before the version was
     (tmp_path / "results.json").write_text(json.dumps(older))
     results = read_run_results(tmp_path / "results.json")
