@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import typing
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def main(argv: Sequence[str]) -> None:
         print(
             json.dumps({"file": str(entry), "skipped": reason})
             if args.format == "jsonl"
-            else f"{entry}: skipped, {reason}"
+            else f"{one_line_name(entry)}: skipped, {reason}"
         )
 
 
@@ -153,7 +154,13 @@ def print_prediction(file: Path, original: str | None, classes: list[str], score
     else:
         ranked = "  ".join(f"{c} {float(p):.3f}" for c, p in zip(classes, scores, strict=True))
         note = f"  (converted from {original} to RGB 32x32)" if original else ""
-        print(f"{file}: {ranked}{note}")
+        print(f"{one_line_name(file)}: {ranked}{note}")
+
+
+def one_line_name(file: Path) -> str:
+    """A file's path as the table prints it, on its one line: a control character in it (a newline, which Linux
+    allows in a name) as its escape, ``\\n``; the JSON lines escape it themselves."""
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c) == "Cc" else c for c in str(file))
 
 
 def cli() -> None:

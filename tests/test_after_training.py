@@ -211,6 +211,31 @@ def test_many_images_go_through_the_network_in_evaluation_batches(trained_run):
     assert torch.allclose(probabilities, whole, rtol=0, atol=1e-5)
 
 
+def test_predicts_table_gives_each_image_one_line_whatever_its_name(trained_run, tmp_path, capsys):
+    """Linux allows a newline in a file's name, and the table printed it as it was: one image's row on two lines.
+    A control character is printed as its escape (the JSON lines escape it themselves)."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name, image in zip(["new\nline.png", "tab\there.png", "plain.png"], make_images(3, seed=8)[0], strict=True):
+        image.save(folder / name)
+    (folder / "broken\n.png").write_bytes(b"")
+    assert run_main(predict.main, ["--model", str(trained_run), str(folder)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert err == "" and len(lines) == 4, out
+    assert [line.split(": ")[0] for line in lines] == [
+        f"{folder}/new\\nline.png",
+        f"{folder}/plain.png",
+        f"{folder}/tab\\there.png",
+        f"{folder}/broken\\n.png",
+    ]
+    assert lines[-1].endswith("skipped, cannot be read (UnidentifiedImageError: cannot identify image file "
+                              f"'{folder}/broken\\n.png')")  # fmt: skip
+    assert run_main(predict.main, ["--model", str(trained_run), str(folder), "--format", "jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [Path(row["file"]).name for row in rows] == ["new\nline.png", "plain.png", "tab\there.png", "broken\n.png"]
+
+
 def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(trained_run, cli_env, tmp_path, capsys):
     folder = tmp_path / "photos"
     folder.mkdir()
