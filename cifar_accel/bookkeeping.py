@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from cifar_accel.checkpoint import save_checkpoint
-from cifar_accel.errors import RunFault, Stopped
+from cifar_accel.errors import RunFault, Stopped, counted
 from cifar_accel.outputs import discard_replaced_run
 from cifar_accel.run import Run
 from cifar_accel.state import EpochRecord, TrainerState
@@ -135,7 +135,7 @@ class RunBookkeeper:
         patience = self.run.config.early_stopping_patience
         if not self.state.should_stop_early(patience):
             return False
-        logger.info(f"early stopping: no better validation accuracy for {patience} epochs")
+        logger.info(f"early stopping: no better validation accuracy for {counted(patience, 'epoch')}")
         return True
 
     def begin_epoch(self, epoch: int) -> Iterable:
@@ -246,7 +246,8 @@ class RunBookkeeper:
     def stopped(self) -> Stopped:
         state = self.state
         return Stopped(
-            f"stopped by {self.stop.name} after {state.epoch} epochs and {state.step_in_epoch} batches "
+            f"stopped by {self.stop.name} after {counted(state.epoch, 'epoch')} and "
+            f"{counted(state.step_in_epoch, 'batch', 'batches')} "
             f"(optimizer step {state.global_step}); saved {self.last_checkpoint}; resume with "
             "--resume_from_checkpoint latest",
             exit_code=self.stop.exit_code,

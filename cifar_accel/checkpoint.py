@@ -24,7 +24,7 @@ from accelerate.utils import load as load_pickled
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
 from cifar_accel.config import FIELDS, TrainConfig, dataset_location
-from cifar_accel.errors import InputError, RunFault, one_line
+from cifar_accel.errors import InputError, RunFault, counted, one_line
 from cifar_accel.outputs import (
     CHECKPOINT_NAME,
     CHECKPOINTS_DIR,
@@ -323,7 +323,9 @@ def check_resumed_epochs(path: Path, state: TrainerState, num_train_epochs: int)
     and its config.yaml would record fewer epochs than its results."""
     started = state.epoch + (1 if state.step_in_epoch else 0)
     if num_train_epochs < started:
-        done = f"{state.epoch} epochs" + (f" and {state.step_in_epoch} batches" if state.step_in_epoch else "")
+        done = counted(state.epoch, "epoch") + (
+            f" and {counted(state.step_in_epoch, 'batch', 'batches')}" if state.step_in_epoch else ""
+        )
         raise InputError(
             f"checkpoint '{path}' has trained {done}, more than --num_train_epochs {num_train_epochs}; resume with "
             f"--num_train_epochs {started} or more, or evaluate the run as it is with 'python -m cifar_accel.evaluate "

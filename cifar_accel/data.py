@@ -31,7 +31,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
-from cifar_accel.errors import InputError, RunFault, not_text, one_line
+from cifar_accel.errors import InputError, RunFault, counted, not_text, one_line
 from cifar_accel.outputs import disk_full, fix_for
 from cifar_accel.progress import progress
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
@@ -507,12 +507,17 @@ def decode_split(
     progress.bar.close()
     if progress.images:
         seconds = time.perf_counter() - start
-        logger.info("%s: decoded %d images in %.1f s, cached by datasets for later runs", split, len(dataset), seconds)
+        logger.info(
+            "%s: decoded %s in %.1f s, cached by datasets for later runs",
+            split,
+            counted(len(dataset), "image"),
+            seconds,
+        )
     else:
-        logger.info("%s: %d images from the datasets cache (decoded by an earlier run)", split, len(dataset))
+        logger.info("%s: %s from the datasets cache (decoded by an earlier run)", split, counted(len(dataset), "image"))
     converted = decoded["converted"].to_numpy().sum()
     if converted:
-        logger.info("%s: converted %d images to %dx%d RGB", split, converted, IMAGE_SIZE, IMAGE_SIZE)
+        logger.info("%s: converted %s to %dx%d RGB", split, counted(int(converted), "image"), IMAGE_SIZE, IMAGE_SIZE)
     pixels = decoded["pixels"].combine_chunks().to_numpy(zero_copy_only=False)
     moments = decoded["moments"].combine_chunks().to_numpy(zero_copy_only=False).sum(0)
     return Split(torch.tensor(pixels), torch.tensor(decoded[label_column].to_numpy()).long(), torch.tensor(moments))

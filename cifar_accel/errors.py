@@ -104,6 +104,12 @@ class ArgumentParser(argparse.ArgumentParser):
         return f"unknown argument '{flag}'" + (suggest(flag, options) or advice(word) or " (see --help)")
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun``, in the plural (``noun`` + 's' unless given) but for a count of one: '1 epoch',
+    '2 epochs', '4 processes'."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def non_empty(value: str) -> str:
     """An argparse type for names and paths: an empty value (a shell variable that was not set) is refused rather
     than read as 'the default' or as the current folder."""

@@ -39,7 +39,7 @@ from cifar_accel.checkpoint import (
 from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_config
 from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
-from cifar_accel.errors import InputError, RunFault, Stopped, one_line, run_cli
+from cifar_accel.errors import InputError, RunFault, Stopped, counted, one_line, run_cli
 from cifar_accel.evaluate import warn_of_earlier_evaluations
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
@@ -154,8 +154,9 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
     learning_rate = config.learning_rate * scale
     logger.info(
         f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images; "
-        f"batch {config.per_device_train_batch_size} per process x {accelerator.num_processes} processes x "
-        f"{config.gradient_accumulation_steps} accumulation steps = {global_batch} global; learning rate "
+        f"batch {config.per_device_train_batch_size} per process x "
+        f"{counted(accelerator.num_processes, 'process', 'processes')} x "
+        f"{counted(config.gradient_accumulation_steps, 'accumulation step')} = {global_batch} global; learning rate "
         f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")
     )
     return data, global_batch, learning_rate
@@ -218,8 +219,8 @@ def set_up_run(
     if config.max_train_steps:
         epochs, last = divmod(config.max_train_steps, steps_per_epoch)
         logger.info(
-            f"--max_train_steps {config.max_train_steps}: {epochs} epochs of {steps_per_epoch} optimizer steps"
-            + (f", then {last} of epoch {epochs + 1}" if last else "")
+            f"--max_train_steps {config.max_train_steps}: {counted(epochs, 'epoch')} of "
+            f"{counted(steps_per_epoch, 'optimizer step')}" + (f", then {last} of epoch {epochs + 1}" if last else "")
         )
     run = Run(
         config=config,
@@ -317,12 +318,13 @@ def restore_checkpoint(run: Run, path: Path, resumed: TrainerState, steps_per_ep
     check_resumed_schedule(run.scheduler.scheduler, run.config, steps_per_epoch, path)
     run.state, run.last_checkpoint = resumed, path
     logger.info(
-        f"resumed from {path}: {resumed.epoch} epochs and {resumed.step_in_epoch} batches done, "
+        f"resumed from {path}: {counted(resumed.epoch, 'epoch')} and "
+        f"{counted(resumed.step_in_epoch, 'batch', 'batches')} done, "
         f"best val accuracy {resumed.best_val_accuracy}"
     )
     if resumed.num_processes != accelerator.num_processes:
         logger.warning(
-            f"the checkpoint was written by {resumed.num_processes} processes and this run has "
+            f"the checkpoint was written by {counted(resumed.num_processes, 'process', 'processes')} and this run has "
             f"{accelerator.num_processes}: the global batch becomes {run.global_batch_size}, so steps per epoch and "
             "the data order change and the result will differ from an uninterrupted run; the learning rate and its "
             "schedule continue from the checkpoint"

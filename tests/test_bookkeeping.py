@@ -240,7 +240,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_checkpoint_to_resume(t
 
     resumed = train_here([*args, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr
-    assert "1 epochs and 3 batches done" in resumed.stdout
+    assert "1 epoch and 3 batches done" in resumed.stdout
     assert read_results(out)["epochs_completed"] == 2 and (out / "model.safetensors").is_file()
 
 

@@ -30,7 +30,7 @@ def test_compiled_run_matches_eager_and_resumes_uncompiled(tiny_dataset, cli_env
     args = tiny_args(tiny_dataset, compiled, "--max_eval_samples", "40", "--num_train_epochs", "2")
     proc = run_cli([*args, "--resume_from_checkpoint", "latest"], cli_env)
     assert proc.returncode == 0, proc.stderr
-    assert "1 epochs and 0 batches done" in proc.stdout
+    assert "1 epoch and 0 batches done" in proc.stdout
     results = read_results(compiled)
     assert results["epochs_completed"] == 2 and results["history"][0] == compiled_epoch
 

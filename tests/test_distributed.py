@@ -37,7 +37,7 @@ def two_ranks(tiny_dataset, cli_env, torchrun, tmp_path_factory) -> Path:
     env = two_rank_env(cli_env, RANK_WEIGHTS_DIR=str(root))
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "batch 32 per process x 2 processes x 1 accumulation steps = 64 global" in proc.stdout
+    assert "batch 32 per process x 2 processes x 1 accumulation step = 64 global" in proc.stdout
     return root
 
 
@@ -65,7 +65,7 @@ def test_a_two_rank_checkpoint_resumes_exactly_with_two_ranks(two_ranks, tiny_da
     args = ["--cpu", *run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"]
     proc = run_cli(args, two_rank_env(cli_env), launcher=torchrun)
     assert proc.returncode == 0, proc.stderr
-    assert "1 epochs and 2 batches done" in proc.stdout
+    assert "1 epoch and 2 batches done" in proc.stdout
     tensors, max_diff = assert_same_run(two_ranks / "run", resumed)
     print(f"2-rank run resumed with 2 ranks mid-epoch: {tensors} tensors bitwise equal (max abs diff {max_diff})")
 
@@ -140,7 +140,7 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
     proc = run_cli([*fast_args(resumed), "--resume_from_checkpoint", "latest"], two_rank_env(cli_env),
                    launcher=torchrun)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "1 epochs and 4 batches done" in proc.stdout
+    assert "1 epoch and 4 batches done" in proc.stdout
     assert_same_run(straight, resumed)
 
 
@@ -196,7 +196,7 @@ def test_the_slurm_script_on_two_simulated_nodes_matches_the_two_process_run(
     node_logs = {path.name: path.read_text() for path in sorted(logs.iterdir())}
     assert proc.returncode == 0, (proc.stderr, node_logs)
     assert "cifar_accel on 2 nodes x 1 processes, rendezvous on 127.0.0.1:" in proc.stdout
-    assert "batch 32 per process x 2 processes x 1 accumulation steps = 64 global" in node_logs["node0.log"]
+    assert "batch 32 per process x 2 processes x 1 accumulation step = 64 global" in node_logs["node0.log"]
     results = read_results(tmp_path / "run")
     assert results["num_processes"] == 2 and results["device"].startswith("cpu")
     tensors, max_diff = assert_same_run(two_ranks / "run", tmp_path / "run")

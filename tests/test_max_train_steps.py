@@ -72,8 +72,8 @@ def test_the_run_stops_at_the_step_part_way_through_an_epoch(straight, capsys):
 
 def test_the_log_and_the_card_say_where_the_steps_end(tiny_dataset, train_here, tmp_path):
     for steps, where, epochs, row in (
-        ("9", "1 epochs of 9 optimizer steps\n", 1, "| epochs | 1 (9 optimizer steps: --max_train_steps) |"),
-        ("11", "1 epochs of 9 optimizer steps, then 2 of epoch 2\n", 2,
+        ("9", "1 epoch of 9 optimizer steps\n", 1, "| epochs | 1 (9 optimizer steps: --max_train_steps) |"),
+        ("11", "1 epoch of 9 optimizer steps, then 2 of epoch 2\n", 2,
          "| epochs | 1.22 (11 optimizer steps: --max_train_steps; epoch 2 cut short) |"),  # 288 + 64 images
     ):  # fmt: skip
         out = tmp_path / f"run{steps}"
@@ -92,7 +92,7 @@ def test_the_log_and_the_card_say_where_the_steps_end(tiny_dataset, train_here, 
     assert not (tmp_path / "run2").exists()
 
 
-@pytest.mark.parametrize(("cut", "done"), [(16, "1 epochs and 7 batches"), (18, "2 epochs and 0 batches")])
+@pytest.mark.parametrize(("cut", "done"), [(16, "1 epoch and 7 batches"), (18, "2 epochs and 0 batches")])
 def test_a_resume_ends_where_the_uninterrupted_run_did(straight, tiny_dataset, train_here, tmp_path, cut, done):
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
     proc = train_here([*run_args(tiny_dataset, resumed), "--resume_from_checkpoint", "latest"])

@@ -132,7 +132,7 @@ def test_accumulation_run_logs_telemetry_on_optimizer_steps_and_scales_lr(tiny_d
     )  # fmt: skip
     proc = train_here(args)
     assert proc.returncode == 0, proc.stderr
-    assert "32 per process x 1 processes x 2 accumulation steps = 64 global; learning rate 0.002 = 0.001 x 2" in (
+    assert "32 per process x 1 process x 2 accumulation steps = 64 global; learning rate 0.002 = 0.001 x 2" in (
         proc.stdout
     )
     assert "dtypes of one batch: conv_output float32, logits float32, loss float32" in proc.stdout

@@ -79,7 +79,7 @@ def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profi
     assert results["mixed_precision"] == (EXPECTED[profile][0] if profile else "no")
     assert results["mixed_precision_source"] == "accelerate launch (flag or config profile)"
     assert results["epochs_completed"] == 1
-    assert "x 1 processes x" in proc.stdout
+    assert "x 1 process x" in proc.stdout
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if ONE_OF_SEVERAL in line]
     assert len(warned) == (1 if options else 0)
     if options:

@@ -87,7 +87,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
 
     assert proc.returncode == exit_code, stderr
     (line,) = stderr.strip().splitlines()
-    assert line.startswith(f"stopped by {signal.Signals(signal_number).name} after 1 epochs and ")
+    assert line.startswith(f"stopped by {signal.Signals(signal_number).name} after 1 epoch and ")
     assert "resume with --resume_from_checkpoint latest" in line
     assert not (out / "results.json").exists()
     latest = complete_checkpoints(out)[-1]
@@ -157,7 +157,7 @@ def test_a_finished_run_can_be_extended_with_more_epochs(tiny_dataset, train_her
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "100", "--num_train_epochs", "2")
     proc = train_here([*args, "--resume_from_checkpoint", "latest"])
     assert proc.returncode == 0, proc.stderr
-    assert "1 epochs and 0 batches done" in proc.stdout
+    assert "1 epoch and 0 batches done" in proc.stdout
     results = read_results(out)
     assert results["epochs_completed"] == 2 and results["history"][0] == first["history"][0]
 
