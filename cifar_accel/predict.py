@@ -72,13 +72,28 @@ def image_files(paths: Sequence[str]) -> tuple[list[Path], list[tuple[Path, str]
         elif path.exists():
             raise InputError(f"'{name}' is not a regular file or a folder; pass image files or folders of images")
         else:
-            raise InputError(f"'{name}' does not exist; pass image files or folders of images")
+            raise InputError(missing_image(name))
     if not files:
         folders = [str(entry) for entry, _ in skipped if entry.is_dir()]
         listing = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
         inside = f"; a folder's subfolders are not searched, so name them ({listing})" if folders else ""
         raise InputError(f"no image files found in {', '.join(paths)}{inside}")
     return files, skipped
+
+
+def missing_image(name: str) -> str:
+    """Why an image path that does not exist was given, for the usual mistakes (a web address, '-' for standard
+    input, a pattern the shell did not expand), with what to pass instead."""
+    if name.startswith(("http://", "https://")):
+        return f"'{name}' is a web address, and predict reads files: download the image (curl -O URL), then pass it"
+    if name == "-":
+        return "'-' is not a file: predict reads image files, not standard input; pass the files or their folder"
+    if any(character in name for character in "*?["):
+        return (
+            f"no file is named '{name}': the shell expands such a pattern before predict starts, unless it is quoted "
+            f"or matches no file; leave it unquoted, or pass its folder ({Path(name).parent})"
+        )
+    return f"'{name}' does not exist; pass image files or folders of images"
 
 
 def read_images(

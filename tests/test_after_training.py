@@ -211,6 +211,24 @@ def test_many_images_go_through_the_network_in_evaluation_batches(trained_run):
     assert torch.allclose(probabilities, whole, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [
+        ("nothere.png", "'nothere.png' does not exist; pass image files or folders of images"),
+        ("https://example.com/cat.jpg", "'https://example.com/cat.jpg' is a web address, and predict reads files: "
+                                        "download the image (curl -O URL), then pass it"),
+        ("-", "'-' is not a file: predict reads image files, not standard input; pass the files or their folder"),
+        ("photos/*.png", "no file is named 'photos/*.png': the shell expands such a pattern before predict starts, "
+                         "unless it is quoted or matches no file; leave it unquoted, or pass its folder (photos)"),
+    ],
+    ids=["missing", "web-address", "standard-input", "quoted-pattern"],
+)  # fmt: skip
+def test_an_image_that_does_not_exist_is_one_line_that_names_the_likely_mistake(trained_run, name, line, capsys):
+    """A web address, '-' and a quoted pattern were each 'does not exist; pass image files or folders of images'."""
+    assert run_main(predict.main, ["--model", str(trained_run), name]) == 2
+    assert capsys.readouterr() == ("", f"error: {line}\n")
+
+
 def test_predicts_table_gives_each_image_one_line_whatever_its_name(trained_run, tmp_path, capsys):
     """Linux allows a newline in a file's name, and the table printed it as it was: one image's row on two lines.
     A control character is printed as its escape (the JSON lines escape it themselves)."""
