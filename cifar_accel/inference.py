@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -210,14 +211,30 @@ def read_normalization(run_dir: Path) -> Normalization:
         ) from None
 
 
+def hub_model_note(name: str) -> str | None:
+    """For a --model that does not exist here but may name a model on the Hugging Face Hub (where --push_to_hub
+    uploads a run), by its web address or as 'owner/name' (whose owner is no folder here), how to read it: from a
+    local copy. None for anything else."""
+    address = re.fullmatch(r"https?://(?:www\.)?huggingface\.co/([\w.-]+/[\w.-]+)(?:/tree/[^/]+)?/?", name)
+    repo = address[1] if address else name
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", repo) or repo.endswith(".safetensors") or Path(repo).parent.exists():
+        return None
+    download = f"`hf download {repo} --local-dir {repo.split('/')[1]}`, then pass that folder"
+    if address:
+        return f"a model on the Hugging Face Hub is read from a local copy: download it with {download}"
+    return f"no such folder here; if it names a model on the Hugging Face Hub, download it first with {download}"
+
+
 def load_model(path: str | Path) -> TrainedModel:
     """The trained model of a run folder, a checkpoint folder or a .safetensors file inside either: the run's
     architecture with its weights (safetensors only), in eval mode, with its preprocessing and class names. A
     checkpoint gives the weights its validation measured: their average, in a run with --ema_decay."""
-    path = Path(path).expanduser()
+    given, path = str(path), Path(path).expanduser()
     if problem := path_problem(str(path)):
         raise InputError(f"the path {problem}")
     weights = path / WEIGHTS_FILE if path.is_dir() else path
+    if not path.exists() and (note := hub_model_note(given)):
+        raise InputError(f"no model at '{given}': {note}")
     if not weights.is_file():
         aside = f"; {set_aside_note(path)}" if (path / REPLACED_RUN).is_dir() else ""
         checkpoints = checkpoints_within(path)

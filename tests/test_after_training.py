@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from PIL import Image
 from cifar_accel import compare, export, predict
 from cifar_accel import evaluate as evaluate_command
 from cifar_accel.data import load_split
+from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
@@ -227,6 +229,34 @@ def test_an_image_that_does_not_exist_is_one_line_that_names_the_likely_mistake(
     """A web address, '-' and a quoted pattern were each 'does not exist; pass image files or folders of images'."""
     assert run_main(predict.main, ["--model", str(trained_run), name]) == 2
     assert capsys.readouterr() == ("", f"error: {line}\n")
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        ("you/cifar10-fast",
+         "no model at 'you/cifar10-fast': no such folder here; if it names a model on the Hugging Face Hub, download "
+         "it first with `hf download you/cifar10-fast --local-dir cifar10-fast`, then pass that folder"),
+        ("https://huggingface.co/you/cifar10-fast/tree/main",
+         "no model at 'https://huggingface.co/you/cifar10-fast/tree/main': a model on the Hugging Face Hub is read "
+         "from a local copy: download it with `hf download you/cifar10-fast --local-dir cifar10-fast`, then pass that "
+         "folder"),
+        ("runs/first", "no model weights at 'runs/first'; pass a run folder, a checkpoint folder or a .safetensors"),
+        ("run.safetensors", "no model weights at 'run.safetensors'; pass a run folder, a checkpoint folder or a "
+                            ".safetensors"),
+    ],
+    ids=["hub-id", "hub-address", "local-folder", "local-file"],
+)  # fmt: skip
+def test_a_model_that_is_not_here_says_whether_it_may_be_on_the_hub(model, line, tmp_path, monkeypatch, capsys):
+    """A run pushed with --push_to_hub, named by its Hub id or address, was 'no model weights at ...'; a path whose
+    first folder exists here (runs/) is a local path whatever it looks like."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "cat.png").write_bytes(b"")
+    assert run_main(predict.main, ["--model", model, "cat.png"]) == 2
+    assert capsys.readouterr() == ("", f"error: {line}\n")
+    with pytest.raises(InputError, match=re.escape(line)):
+        load_model(model)
 
 
 def test_predicts_table_gives_each_image_one_line_whatever_its_name(trained_run, tmp_path, capsys):
