@@ -684,6 +684,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """
     try:
         info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode) and (Path(path) / "config.yaml").is_file():  # a run folder
+            raise InputError(f"config file {path} is a folder; pass its config.yaml ({Path(path) / 'config.yaml'})")
         if not stat.S_ISREG(info.st_mode):
             raise InputError(f"config file {path} is not a regular file; pass a YAML file")
         if info.st_size > MAX_CONFIG_BYTES:

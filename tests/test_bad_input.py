@@ -138,6 +138,13 @@ def run_folder(root: Path) -> Path:
     return root
 
 
+def run_folder_with_its_config(root: Path) -> Path:
+    """A run folder, passed to --config where its config.yaml belongs."""
+    root.mkdir()
+    (root / "config.yaml").write_text("num_train_epochs: 1\n")
+    return root
+
+
 def unknown_key_yaml(root: Path) -> Path:
     root.mkdir()
     (root / "c.yaml").write_text("num_epochs: 3\n")
@@ -162,6 +169,8 @@ CASES = [
     ("unknown-precision", ["--mixed_precision", "fp8"], 2, ["mixed_precision", "invalid choice"]),
     ("yaml-does-not-parse", ["--config", "{made}"], 2, ["not valid YAML", "at line 2"]),
     ("config-file-missing", ["--config", "/nonexistent/c.yaml"], 2, ["cannot read config file"]),
+    ("config-is-a-run-folder", ["--config", "{made}"], 2,
+     ["made is a folder; pass its config.yaml (", "made/config.yaml)"]),
     ("dataset-missing", ["--dataset_name", "/nonexistent/cifar"], 2, ["does not exist", "--dataset_name"]),
     ("dataset-is-a-file", ["--dataset_name", "{made}"], 2, ["train-", "is a file; pass the dataset's folder"]),
     ("no-label-column", ["--dataset_name", "{made}"], 2, ["label column 'label' not found", "--label_column_name"]),
@@ -242,6 +251,7 @@ MAKERS = {
     "git-lfs-pointer-image": git_lfs_pointer_image,
     "one-class": one_class,
     "resume-run-folder": run_folder,
+    "config-is-a-run-folder": run_folder_with_its_config,
     "resume-checkpoints-folder": run_folder,
     "empty-split": empty_test_split,
     "label-out-of-range": labels_out_of_range,
