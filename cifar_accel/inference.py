@@ -244,7 +244,8 @@ def load_model(path: str | Path) -> TrainedModel:
             f"no model weights at '{weights}'{aside}; pass a run folder, a checkpoint folder or a .safetensors"
         )
     if weights.suffix != ".safetensors":
-        raise InputError(f"'{weights}' is not a .safetensors file; only safetensors weights are loaded")
+        folder = f"; pass the run folder it is in, {weights.parent}" if (weights.parent / CONFIG_FILE).is_file() else ""
+        raise InputError(f"'{weights}' is not a .safetensors file; only safetensors weights are loaded{folder}")
     run_dir = find_run_dir(weights)
     config = TrainConfig(**read_config_file(run_dir / CONFIG_FILE))
     class_names = read_class_names(run_dir / LABELS_FILE)

@@ -78,6 +78,15 @@ def test_mismatched_weights_are_one_line(trained_run, cli_env, tmp_path):
     assert proc.returncode == 2 and "no model weights" in proc.stderr
 
 
+def test_a_file_of_a_run_given_as_the_model_points_to_the_run_folder(trained_run, capsys):
+    """--model RUN/config.yaml (the file beside the weights) was refused without the fix: the folder it is in."""
+    assert run_main(predict.main, ["--model", str(trained_run / "config.yaml"), str(trained_run / "curves.png")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: '{trained_run / 'config.yaml'}' is not a .safetensors file; only safetensors weights are loaded; pass "
+        f"the run folder it is in, {trained_run}\n"
+    )
+
+
 def test_cut_short_weights_are_one_line_that_says_so(trained_run, cli_env, tmp_path):
     run = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "logs", "eval_*"))
     weights = run / "model.safetensors"
