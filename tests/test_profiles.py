@@ -86,6 +86,23 @@ def test_cpu_profile_launches_a_short_run(tiny_dataset, cli_env, tmp_path, profi
         assert warned[0].endswith("for N, launch with 'torchrun --nproc_per_node N -m cifar_accel.train --cpu'")
 
 
+def test_the_commands_run_as_files_as_accelerate_launches_a_script(tiny_dataset, cli_env, tmp_path):
+    """`accelerate launch cifar_accel/train.py` (how Accelerate's examples launch a script) put cifar_accel/ first
+    on sys.path, where evaluate.py stood for the `evaluate` library: 'ImportError: cannot import name 'Precision'
+    from partially initialized module', with a traceback. The commands run as files now, as with -m."""
+    out = tmp_path / "run"
+    env = {**cli_env, "TMPDIR": str(tmp_path)}
+    command = [*launcher("cpu"), str(REPO / "cifar_accel" / "train.py"), *tiny_args(tiny_dataset, out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    results = read_results(out)
+    evaluate = [sys.executable, str(REPO / "cifar_accel" / "evaluate.py"), "--model", str(out)]
+    proc = subprocess.run(evaluate, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((out / "eval_test" / "metrics.json").read_text())
+    assert metrics["accuracy"] == results["test_accuracy"]
+
+
 def test_a_launchers_torch_dynamo_compiles_as_torch_compile_does_and_other_backends_are_refused(
     tiny_dataset, cli_env, tmp_path
 ):
