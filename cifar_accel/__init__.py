@@ -2,11 +2,31 @@
 
 import os
 import sys
+import types
 
 # A command run as a file (`accelerate launch cifar_accel/train.py`, as Accelerate's examples launch scripts) puts
 # this folder first on sys.path, where evaluate.py would stand for the `evaluate` library: it is taken off again.
 _PACKAGE_FOLDER = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _PACKAGE_FOLDER]
+
+
+def _interrupted_in_one_line(
+    kind: type[BaseException], value: BaseException, traceback: types.TracebackType | None
+) -> None:
+    """Ctrl-C while a command still imports its libraries (seconds, before its own error handling runs): one line on
+    stderr, as later, rather than Python's traceback; the exit status stays that of SIGINT."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stderr.write("error: interrupted\n")
+    else:
+        sys.__excepthook__(kind, value, traceback)
+
+
+# Only for python -m cifar_accel.<command> and the console scripts, not for a program that imports the package.
+_PYTHON_ARGV = sys.orig_argv[:-1]
+_MODULE = _PYTHON_ARGV[_PYTHON_ARGV.index("-m") + 1] if "-m" in _PYTHON_ARGV else ""
+_SCRIPT = os.path.basename(sys.argv[0]) if sys.argv else ""
+if (_MODULE.startswith("cifar_accel.") or _SCRIPT.startswith("cifar-accel-")) and "--debug" not in sys.argv:
+    sys.excepthook = _interrupted_in_one_line
 
 from cifar_accel.inference import TrainedModel, load_model  # noqa: E402 - after the sys.path repair above
 

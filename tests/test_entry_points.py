@@ -10,8 +10,10 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import accelerate
@@ -370,6 +372,22 @@ def test_every_command_prints_its_versions(module, capsys):
         f"evaluate {evaluate_library.__version__})\n"
     )
     assert importlib.metadata.version("cifar-accel") == cifar_accel.__version__
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "cifar_accel.predict"], ["cifar-accel-predict"]],
+                         ids=["module", "console-script"])  # fmt: skip
+def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs, cli_env):
+    """Ctrl-C in the seconds a command spends importing torch and the rest, before its own error handling runs,
+    printed Python's traceback of the import; now the one line it prints later, and the exit status of SIGINT."""
+    run = runs["default"]
+    if command[0] == "cifar-accel-predict":
+        command = [str(Path(sys.executable).parent / "cifar-accel-predict")]
+    proc = subprocess.Popen([*command, "--model", str(run), str(run / "curves.png")], env=cli_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)  # Python has started, and imports torch for a second or more
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "error: interrupted\n")
 
 
 def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
