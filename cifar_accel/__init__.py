@@ -21,10 +21,15 @@ def _interrupted_in_one_line(
         sys.__excepthook__(kind, value, traceback)
 
 
-# Only for python -m cifar_accel.<command> and the console scripts, not for a program that imports the package.
+# What follows is for python -m cifar_accel.<command> and the console scripts, not for a program that imports the
+# package.
 _PYTHON_ARGV = sys.orig_argv[:-1]
 _MODULE = _PYTHON_ARGV[_PYTHON_ARGV.index("-m") + 1] if "-m" in _PYTHON_ARGV else ""
 _SCRIPT = os.path.basename(sys.argv[0]) if sys.argv else ""
+if _MODULE.startswith("cifar_accel."):
+    # python -m puts the current folder first on sys.path, where a file of the user's (a script named datasets.py)
+    # would stand for a library; the commands import nothing from it, as their console scripts show.
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != os.getcwd()]
 if (_MODULE.startswith("cifar_accel.") or _SCRIPT.startswith("cifar-accel-")) and "--debug" not in sys.argv:
     sys.excepthook = _interrupted_in_one_line
 

@@ -103,6 +103,19 @@ def test_the_commands_run_as_files_as_accelerate_launches_a_script(tiny_dataset,
     assert metrics["accuracy"] == results["test_accuracy"]
 
 
+def test_a_users_file_named_as_a_library_does_not_stand_for_it(tiny_dataset, cli_env, tmp_path):
+    """python -m puts the current folder first on sys.path: a script of the user's named datasets.py there stood for
+    the library ('ImportError: cannot import name 'Dataset' from 'datasets' (/home/you/datasets.py)', a traceback).
+    The commands leave that folder off, as their console scripts do."""
+    for name in ("datasets.py", "evaluate.py", "torch.py"):
+        (tmp_path / name).write_text("raise SystemExit('the user's own file was imported')\n")
+    command = [*launcher("cpu"), "-m", "cifar_accel.train", *tiny_args(tiny_dataset, tmp_path / "run")]
+    proc = subprocess.run(command, env={**cli_env, "TMPDIR": str(tmp_path)}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert read_results(tmp_path / "run")["epochs_completed"] == 1
+
+
 def test_a_launchers_torch_dynamo_compiles_as_torch_compile_does_and_other_backends_are_refused(
     tiny_dataset, cli_env, tmp_path
 ):
