@@ -385,9 +385,12 @@ def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs,
     proc = subprocess.Popen([*command, "--model", str(run), str(run / "curves.png")], env=cli_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     time.sleep(0.5)  # Python has started, and imports torch for a second or more
-    proc.send_signal(signal.SIGINT)
+    while proc.poll() is None:  # again, where a library's bare `except:` took one for its own import error
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
     out, err = proc.communicate(timeout=60)
-    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "error: interrupted\n")
+    assert (out, err) == ("", "error: interrupted\n")
+    assert proc.returncode in (-signal.SIGINT, 130)  # by SIGINT during the imports; 130 from the command after them
 
 
 def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
