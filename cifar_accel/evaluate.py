@@ -28,6 +28,7 @@ from cifar_accel.inference import (
     TrainedModel,
     add_tta_flags,
     check_tta_flags,
+    dataset_to_read,
     inference_precision,
     load_model,
     output_beside,
@@ -161,7 +162,7 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
         warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
     with accelerator.main_process_first():
         split, _ = load_split(
-            args.dataset_name or run.dataset_name,
+            dataset_to_read(args.dataset_name, trained, "--dataset_name"),
             args.split,
             args.image_column_name or run.image_column_name,
             args.label_column_name or run.label_column_name,

@@ -31,7 +31,7 @@ from torch import nn
 from cifar_accel.card import write_model_card
 from cifar_accel.data import load_images
 from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli, user_path
-from cifar_accel.inference import TrainedModel, load_model, output_beside
+from cifar_accel.inference import TrainedModel, dataset_to_read, load_model, output_beside
 from cifar_accel.outputs import (
     EXPORT_FILES,
     RESULTS_FILE,
@@ -222,7 +222,7 @@ def export_model(args: argparse.Namespace, trained: TrainedModel, path: Path) ->
     refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")
     images = None
     if not args.skip_check:  # read before anything is written: a missing dataset leaves no export behind
-        dataset = args.check_dataset or trained.config.dataset_name
+        dataset = dataset_to_read(args.check_dataset, trained, "--check_dataset")
         images = load_images(  # the check compares predictions with load_model's, so any images will do
             dataset,
             args.check_split,

@@ -30,6 +30,7 @@ from cifar_accel.config import (
     check_field,
     check_launcher_engines,
     launcher_precision,
+    looks_like_path,
     read_config_file,
     resolve_mixed_precision,
 )
@@ -209,6 +210,19 @@ def read_normalization(run_dir: Path) -> Normalization:
             f"{path} cannot be read ({type(err).__name__}: {one_line(err)[:200]}); it must hold the 'mean', 'std' "
             "and 'source' the training run wrote"
         ) from None
+
+
+def dataset_to_read(given: str | None, trained: TrainedModel, flag: str) -> str:
+    """The dataset evaluate or export reads: the one ``flag`` names, else the run's own, from its config.yaml; a
+    local copy that is not where the run found it any more is refused with the flag that names its new place."""
+    if given:
+        return given
+    name = trained.config.dataset_name
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        raise InputError(
+            f"the run's dataset, '{name}' (in its config.yaml), is not there any more; pass {flag} with where it is now"
+        )
+    return name
 
 
 def hub_model_note(name: str) -> str | None:

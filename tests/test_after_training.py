@@ -78,6 +78,25 @@ def test_mismatched_weights_are_one_line(trained_run, cli_env, tmp_path):
     assert proc.returncode == 2 and "no model weights" in proc.stderr
 
 
+def test_a_runs_dataset_moved_away_is_named_with_the_flag_for_its_new_place(tiny_dataset, tmp_path, capsys):
+    """evaluate and export read the run's own dataset by default; once moved, they said "dataset path '...' does not
+    exist; pass --dataset_name with a local copy in Hub layout, e.g. ../shared/data/cifar10-jpeg", as if the path
+    had been given. The flag then reads it from its new place."""
+    copy = shutil.copytree(tiny_dataset, tmp_path / "data")
+    run = tmp_path / "run"
+    assert train_in_process(tiny_args(copy, run)) == 0
+    moved = copy.rename(tmp_path / "moved")
+    for module, flag in ((evaluate_command, "--dataset_name"), (export, "--check_dataset")):
+        assert run_main(module.main, ["--model", str(run)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: the run's dataset, '{copy}' (in its config.yaml), is not there any more; pass {flag} with where "
+            "it is now\n"
+        )
+        assert run_main(module.main, ["--model", str(run), flag, str(moved)]) == 0
+    assert json.loads((run / "eval_test" / "metrics.json").read_text())["samples"] == 83
+    assert (run / "model.onnx").is_file()
+
+
 def test_a_file_of_a_run_given_as_the_model_points_to_the_run_folder(trained_run, capsys):
     """--model RUN/config.yaml (the file beside the weights) was refused without the fix: the folder it is in."""
     assert run_main(predict.main, ["--model", str(trained_run / "config.yaml"), str(trained_run / "curves.png")]) == 2
