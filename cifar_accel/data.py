@@ -237,6 +237,12 @@ def load_raw(
         path = str(Path(dataset_name).expanduser()) if looks_like_path(dataset_name) else dataset_name
         raw = datasets.load_dataset(path)
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
+        parent = Path(dataset_name).parent
+        if parent != Path() and parent.is_dir():  # 'data/cifar10' beside a folder data/: a local path, mistyped
+            raise InputError(
+                f"cannot load dataset '{dataset_name}': {parent}/ holds no '{Path(dataset_name).name}', and as a Hub "
+                f"id it failed too ({err}); check the path"
+            ) from None
         raise InputError(
             f"cannot load dataset '{dataset_name}' ({err}); offline, {local_copy_hint(dataset_flag)}"
         ) from None

@@ -172,6 +172,9 @@ CASES = [
     ("config-is-a-run-folder", ["--config", "{made}"], 2,
      ["made is a folder; pass its config.yaml (", "made/config.yaml)"]),
     ("dataset-missing", ["--dataset_name", "/nonexistent/cifar"], 2, ["does not exist", "--dataset_name"]),
+    ("dataset-mistyped-local-path", ["--dataset_name", "tests/cifar10"], 2,
+     ["cannot load dataset 'tests/cifar10': tests/ holds no 'cifar10', and as a Hub id it failed too (",
+      "); check the path"]),
     ("dataset-is-a-file", ["--dataset_name", "{made}"], 2, ["train-", "is a file; pass the dataset's folder"]),
     ("no-label-column", ["--dataset_name", "{made}"], 2, ["label column 'label' not found", "--label_column_name"]),
     ("no-image-column", ["--dataset_name", "{made}"], 2, ["no image column", "--image_column_name"]),
@@ -263,8 +266,9 @@ MAKERS = {
 
 # These go through a real subprocess, where anything else on stderr (a library's warning at import) would show; the
 # other cases run the same entry point in this process (train_here), seconds faster each.
-THROUGH_THE_CLI = {"unknown-flag", "yaml-does-not-parse", "dataset-missing", "corrupt-image", "git-lfs-pointers",
-                   "resume-missing", "nesterov-from-preset", "idle-momentum"}  # fmt: skip
+THROUGH_THE_CLI = {"unknown-flag", "yaml-does-not-parse", "dataset-missing", "dataset-mistyped-local-path",
+                   "corrupt-image", "git-lfs-pointers", "resume-missing", "nesterov-from-preset",
+                   "idle-momentum"}  # fmt: skip
 
 
 @pytest.fixture
