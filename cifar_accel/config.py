@@ -710,6 +710,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
+        if isinstance(err, yaml.constructor.ConstructorError):  # valid YAML, with a tag such as !!python/object
+            raise InputError(
+                f"config file {path}{line}: {err.problem}; a config holds plain values (numbers, text, true/false, "
+                "none), so remove the tag"
+            ) from None
         raise InputError(f"config file {path} is not valid YAML{line}; fix the syntax") from None
     if data is None:
         return {}

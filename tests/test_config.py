@@ -102,6 +102,20 @@ def test_a_config_file_reads_numbers_and_no_as_the_command_line_does(tmp_path):
         read_config_file(path)
 
 
+def test_a_tagged_value_in_a_config_file_is_named_as_such(tmp_path):
+    """A tag the safe loader does not construct (!!python/object, a custom !tag) was 'not valid YAML at line 2; fix
+    the syntax', for a file whose syntax is fine."""
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 1\nx: !!python/object:os.system {}\n")
+    with pytest.raises(InputError) as refused:
+        read_config_file(path)
+    assert str(refused.value) == (
+        f"config file {path} at line 2: could not determine a constructor for the tag "
+        "'tag:yaml.org,2002:python/object:os.system'; a config holds plain values (numbers, text, true/false, none), "
+        "so remove the tag"
+    )
+
+
 def test_a_key_given_twice_in_a_config_file_is_refused_with_both_lines(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 0.1\nseed: 1\n\n'learning_rate': 0.01\n")  # PyYAML alone keeps 0.01
