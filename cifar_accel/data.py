@@ -70,7 +70,7 @@ def first_git_lfs_pointer(folder: Path) -> Path | None:
     for root, _, names in os.walk(folder):
         for name in sorted(names):
             path = Path(root, name)
-            if path.stat().st_size < 1024 and git_lfs_pointer(path):
+            if path.is_file() and path.stat().st_size < 1024 and git_lfs_pointer(path):  # not a broken link
                 return path
     return None
 
