@@ -23,8 +23,7 @@ def _interrupted_in_one_line(
 
 # What follows is for python -m cifar_accel.<command> and the console scripts, not for a program that imports the
 # package.
-_PYTHON_ARGV = sys.orig_argv[:-1]
-_MODULE = _PYTHON_ARGV[_PYTHON_ARGV.index("-m") + 1] if "-m" in _PYTHON_ARGV else ""
+_MODULE = sys.orig_argv[sys.orig_argv.index("-m") + 1] if "-m" in sys.orig_argv[:-1] else ""
 _SCRIPT = os.path.basename(sys.argv[0]) if sys.argv else ""
 if _MODULE.startswith("cifar_accel."):
     # python -m puts the current folder first on sys.path, where a file of the user's (a script named datasets.py)

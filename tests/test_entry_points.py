@@ -374,6 +374,14 @@ def test_every_command_prints_its_versions(module, capsys):
     assert importlib.metadata.version("cifar-accel") == cifar_accel.__version__
 
 
+def test_the_package_imports_under_python_m_with_no_argument_after_the_module(cli_env):
+    """`python -m pytest` (or a command), with nothing after the module's name, failed to import the package
+    (IndexError) while it looked for the module that -m runs."""
+    proc = subprocess.run([sys.executable, "-m", "cifar_accel.predict"], env=cli_env, capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr) == (2, "error: the following arguments are required: images, --model (see "
+                                                 "--help)\n")  # fmt: skip
+
+
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "cifar_accel.predict"], ["cifar-accel-predict"]],
                          ids=["module", "console-script"])  # fmt: skip
 def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs, cli_env):
