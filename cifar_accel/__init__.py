@@ -4,10 +4,19 @@ import os
 import sys
 import types
 
-# A command run as a file (`accelerate launch cifar_accel/train.py`, as Accelerate's examples launch scripts) puts
-# this folder first on sys.path, where evaluate.py would stand for the `evaluate` library: it is taken off again.
-_PACKAGE_FOLDER = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _PACKAGE_FOLDER]
+# The module that `python -m` runs, if any, and the console script, if any: what follows treats the commands apart
+# from a program that imports the package.
+_MODULE = sys.orig_argv[sys.orig_argv.index("-m") + 1] if "-m" in sys.orig_argv[:-1] else ""
+_SCRIPT = os.path.basename(sys.argv[0]) if sys.argv else ""
+
+# Folders that would stand for a library, taken off sys.path: this package's own, where evaluate.py is, which a
+# command run as a file puts first (`accelerate launch cifar_accel/train.py`, as Accelerate's examples launch
+# scripts); and under `python -m cifar_accel.<command>` the current folder, where a file of the user's (a script
+# named datasets.py) may be; the commands import nothing from it, as their console scripts show.
+_SHADOWING = {os.path.dirname(os.path.abspath(__file__))} | (
+    {os.getcwd()} if _MODULE.startswith("cifar_accel.") else set()
+)
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) not in _SHADOWING]
 
 
 def _interrupted_in_one_line(
@@ -21,14 +30,6 @@ def _interrupted_in_one_line(
         sys.__excepthook__(kind, value, traceback)
 
 
-# What follows is for python -m cifar_accel.<command> and the console scripts, not for a program that imports the
-# package.
-_MODULE = sys.orig_argv[sys.orig_argv.index("-m") + 1] if "-m" in sys.orig_argv[:-1] else ""
-_SCRIPT = os.path.basename(sys.argv[0]) if sys.argv else ""
-if _MODULE.startswith("cifar_accel."):
-    # python -m puts the current folder first on sys.path, where a file of the user's (a script named datasets.py)
-    # would stand for a library; the commands import nothing from it, as their console scripts show.
-    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != os.getcwd()]
 if (_MODULE.startswith("cifar_accel.") or _SCRIPT.startswith("cifar-accel-")) and "--debug" not in sys.argv:
     sys.excepthook = _interrupted_in_one_line
 
