@@ -45,8 +45,9 @@ def count_skipped_step(
     state.skipped_steps_in_a_row += 1
     if state.skipped_steps_in_a_row > max_consecutive_skipped_steps:
         raise RunFault(
-            f"the GradScaler skipped {state.skipped_steps_in_a_row} optimizer steps in a row (loss scale now "
-            f"{accelerator.scaler.get_scale():g}) at epoch {state.epoch + 1}, optimizer step {state.global_step}: "
+            f"the GradScaler skipped {counted(state.skipped_steps_in_a_row, 'optimizer step')} in a row (loss "
+            f"scale now {accelerator.scaler.get_scale():g}) at epoch {state.epoch + 1}, optimizer step "
+            f"{state.global_step}: "
             "the gradients overflow at any scale, so training diverged; "
             + _what_to_do(last_checkpoint, "a lower --learning_rate or --mixed_precision bf16")
         )

@@ -12,6 +12,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from cifar_accel.config import TrainConfig, config_yaml, looks_like_path
 from cifar_accel.data import CIFAR10_CLASSES
+from cifar_accel.errors import counted
 from cifar_accel.outputs import (
     CARD_FILE,
     CURVES_FILE,
@@ -128,7 +129,7 @@ def model_card(
 ) -> ModelCard:
     """The card of a finished run, from its config, results.json, class names and exports."""
     hardware = results.hardware
-    machine = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['cpu_cores']} cores)"
+    machine = hardware.get("gpu") or f"{hardware['cpu']} ({counted(hardware['cpu_cores'], 'core')})"
     tested = (
         f"the weights of epoch {results.tested_epoch}, the best validation accuracy ({results.best_val_accuracy:.4f})"
         if results.validation
@@ -160,7 +161,7 @@ Hugging Face Accelerate.
 | | |
 |---|---|
 | precision in effect | {results.mixed_precision} (requested `{results.requested_mixed_precision}` by {results.mixed_precision_source}) |
-| hardware | {machine}, {results.num_processes} process(es), device `{results.device}` |
+| hardware | {machine}, {counted(results.num_processes, "process", "processes")}, device `{results.device}` |
 | batch, learning rate | {results.global_batch_size} global, {results.learning_rate:g} ({config.optimizer}, {config.lr_scheduler_type} schedule) |
 | training images | {training_images(config, results)} |
 | speed | {results.seconds_per_epoch:.1f} s per epoch, {results.train_images_per_second:.0f} training images/s |
@@ -202,18 +203,20 @@ def epochs_note(config: TrainConfig, results: RunResults) -> str:
         return ""
     cut = results.epochs_trained != results.epochs_completed
     last = f"; epoch {results.epochs_completed} cut short" if cut else ""
-    return f" ({config.max_train_steps} optimizer steps: --max_train_steps{last})"
+    return f" ({counted(config.max_train_steps, 'optimizer step')}: --max_train_steps{last})"
 
 
 def training_images(config: TrainConfig, results: RunResults) -> str:
     """The training images, where they came from (--max_train_samples) and where the validation images came from,
     as the card states them."""
     first = config.max_train_samples
-    source = f"from the train split's first {first} images, --max_train_samples; " if first is not None else ""
+    source = (
+        f"from the train split's first {counted(first, 'image')}, --max_train_samples; " if first is not None else ""
+    )
     if results.val_split:
         validation = f"{results.val_samples} validation images: the '{results.val_split}' split"
     elif results.val_samples:  # --max_eval_samples may validate on fewer than were held out
-        validation = f"validated on {results.val_samples} images held out of the train split"
+        validation = f"validated on {counted(results.val_samples, 'image')} held out of the train split"
     else:
         validation = "no validation"
     return f"{results.train_samples} ({source}{validation})"

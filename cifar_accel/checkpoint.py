@@ -285,9 +285,10 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
             f"resume with the original settings{original}, or start a new --output_dir"
         )
     if state.num_processes != num_processes and state.step_in_epoch:
+        saved_by = counted(state.num_processes, "process", "processes")
         raise InputError(
-            f"checkpoint '{path}' was saved mid-epoch by {state.num_processes} processes and cannot continue that "
-            f"epoch with {num_processes}; resume it with {state.num_processes} processes, or resume an "
+            f"checkpoint '{path}' was saved mid-epoch by {saved_by} and cannot continue that epoch with "
+            f"{num_processes}; resume it with {saved_by}, or resume an "
             "epoch-end checkpoint"
         )
 

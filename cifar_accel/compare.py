@@ -52,6 +52,7 @@ from cifar_accel.errors import (
     InputError,
     RunFault,
     Stopped,
+    counted,
     one_line,
     positive_int,
     run_cli,
@@ -547,7 +548,7 @@ def training_text(report: dict[str, Any]) -> str:
     runs = sum(len(s["seeds"]) for s in report["precisions"])
     trained = report.get("trained", runs)
     if trained == runs:
-        return f"this comparison trains {report['jobs']} run(s) at a time"
+        return f"this comparison trains {counted(report['jobs'], 'run')} at a time"
     if trained:
         return (
             f"this comparison trained {trained} of its {runs} runs, {report['jobs']} at a time, and reused the others"
@@ -629,15 +630,15 @@ def compare(
     stopped = [folders[key].name for key, results in finished.items() if results is None]
     if stopped:
         raise Stopped(
-            f"stopped by {signal.Signals(processes.signal_number).name}; {len(stopped)} of {len(folders)} runs are "
-            f"not finished ({', '.join(stopped)}); run the same command again to go on",
+            f"stopped by {signal.Signals(processes.signal_number).name}; the runs not finished, {len(stopped)} of "
+            f"{len(folders)}: {', '.join(stopped)}; run the same command again to go on",
             processes.exit_code,
         )
     summaries = [summarize(p, {seed: (folders[p, seed], finished[p, seed]) for seed in args.seeds}) for p in precisions]
     add_ratios(summaries)
 
     steps = config.max_train_steps
-    length = f"{steps} optimizer steps" if steps else f"{config.num_train_epochs} epochs"
+    length = counted(steps, "optimizer step") if steps else counted(config.num_train_epochs, "epoch")
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
         **recorded_environment(finished),

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, non_empty, run_cli, user_path
+from cifar_accel.errors import ArgumentParser, counted, non_empty, run_cli, user_path
 from cifar_accel.inference import (
     TrainedModel,
     add_tta_flags,
@@ -112,7 +112,8 @@ def format_report(report: dict[str, Any], class_names: list[str]) -> str:
         accuracy = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
         lines.append(f"{padded(row['class'], width)}{row['correct']:>8}{row['total']:>8}{accuracy:>10}")
     lines.append(
-        f"overall accuracy {report['accuracy']:.4f} | macro F1 {report['macro_f1']:.4f} | {report['samples']} images"
+        f"overall accuracy {report['accuracy']:.4f} | macro F1 {report['macro_f1']:.4f} | "
+        f"{counted(report['samples'], 'image')}"
         + (f" | test-time augmentation: {report['tta']}" if report.get("tta", "none") != "none" else "")
     )
     if len(class_names) > LABELLED_CLASSES:  # too wide to print; the figure and metrics.json hold it

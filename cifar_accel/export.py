@@ -30,7 +30,7 @@ from torch import nn
 
 from cifar_accel.card import write_model_card
 from cifar_accel.data import load_images
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, non_empty, one_line, run_cli, user_path
+from cifar_accel.errors import ArgumentParser, InputError, RunFault, counted, non_empty, one_line, run_cli, user_path
 from cifar_accel.inference import TrainedModel, dataset_to_read, load_model, output_beside
 from cifar_accel.outputs import (
     EXPORT_FILES,
@@ -263,9 +263,9 @@ def export_model(args: argparse.Namespace, trained: TrainedModel, path: Path) ->
         check = check_export(trained, exported_runner(args.format, path), images, args.input)
         description["check"] = {**check, "dataset": dataset, "split": args.check_split, "tolerance": args.tolerance}
         logger.info(
-            f"checked on {check['images']} images of {dataset} ({args.check_split}): {check['same_predictions']} "
-            f"predictions the same as load_model's, largest probability difference "
-            f"{check['max_probability_difference']:.2e}"
+            f"checked on {counted(check['images'], 'image')} of {dataset} ({args.check_split}): "
+            f"{counted(check['same_predictions'], 'prediction')} the same as load_model's, largest probability "
+            f"difference {check['max_probability_difference']:.2e}"
         )
     write_atomic(description_file, json.dumps(description, indent=2))
     update_model_card(trained, path)

@@ -13,7 +13,7 @@ from torch import nn
 
 from cifar_accel.config import PER_STEP_SCHEDULES, TrainConfig
 from cifar_accel.engine import LossFn
-from cifar_accel.errors import InputError
+from cifar_accel.errors import InputError, counted
 
 
 def build_loss(config: TrainConfig) -> LossFn:
@@ -220,18 +220,20 @@ def check_resumed_schedule(
         if scheduler.T_max != epochs:
             asked, fix = f"--num_train_epochs {epochs}", f"--num_train_epochs {scheduler.T_max}"
             if config.max_train_steps:  # the same steps, in epochs of another number of processes
-                asked = f"--max_train_steps {config.max_train_steps} in epochs of {steps_per_epoch} steps"
+                asked = f"--max_train_steps {config.max_train_steps} in epochs of {counted(steps_per_epoch, 'step')}"
                 fix = "the number of processes it started with"
             raise InputError(
-                f"checkpoint '{checkpoint}' anneals the learning rate to zero over {scheduler.T_max} epochs (the "
-                f"cosine schedule's period), so {asked} cannot change it: the learning rate would run back up the "
-                f"cosine; resume with {fix}, or start a new run with the longer schedule"
+                f"checkpoint '{checkpoint}' anneals the learning rate to zero over "
+                f"{counted(scheduler.T_max, 'epoch')} (the cosine schedule's period), so {asked} cannot change it: the "
+                f"learning rate would run back up the cosine; resume with {fix}, or start a new run with the longer "
+                "schedule"
             )
     elif isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         total, wanted = scheduler.lr_lambdas[0].total_steps, total_steps(config, steps_per_epoch)
         if total != wanted:
             raise InputError(
-                f"checkpoint '{checkpoint}' follows a '{config.lr_scheduler_type}' schedule over {total} optimizer "
-                f"steps, and this run would take {wanted} ({epochs} epochs of {steps_per_epoch}); resume with the "
-                "number of epochs and processes it started with, or start a new run"
+                f"checkpoint '{checkpoint}' follows a '{config.lr_scheduler_type}' schedule over "
+                f"{counted(total, 'optimizer step')}, and this run would take {wanted} ({counted(epochs, 'epoch')} "
+                f"of {steps_per_epoch}); resume with the number of epochs and processes it started with, or start a "
+                "new run"
             )

@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.tensorboard import SummaryWriter
 
+from cifar_accel.errors import counted
 from cifar_accel.plots import MISSING, class_labels, figure_text, pyplot
 from cifar_accel.transforms import Normalization
 
@@ -162,7 +163,7 @@ def log_test_pictures(
         [labels[i] for i in references[worst]],
         [labels[i] for i in predictions[worst]],
         confidences[worst].tolist(),
-        f"the {len(worst)} most confident of {len(wrong)} mistakes: true -> predicted",
+        f"the {len(worst)} most confident of {counted(len(wrong), 'mistake')}: true -> predicted",
     )
     for tag, figure in figures.items():
         writer.add_figure(tag, figure, global_step=step)  # closes the figure

@@ -20,7 +20,7 @@ from PIL import Image
 
 from cifar_accel.config import Precision
 from cifar_accel.data import to_rgb32
-from cifar_accel.errors import ArgumentParser, InputError, image_path, one_line, run_cli, user_path
+from cifar_accel.errors import ArgumentParser, InputError, counted, image_path, one_line, run_cli, user_path
 from cifar_accel.inference import add_tta_flags, check_tta_flags, inference_precision, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process
@@ -117,7 +117,8 @@ def read_images(
         originals.append(original)
     if not readable:
         raise InputError(
-            f"none of the {len(files)} image files found could be read: '{unreadable[0][0]}' {unreadable[0][1]}"
+            f"no image could be read ({counted(len(files), 'image file')} found): "
+            f"'{unreadable[0][0]}' {unreadable[0][1]}"
         )
     return readable, torch.stack(arrays), originals, unreadable
 

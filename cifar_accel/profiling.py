@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import ProfileKwargs
 
+from cifar_accel.errors import counted
 from cifar_accel.outputs import PROFILE_DIR, write_atomic
 
 logger = get_logger(__name__)
@@ -91,7 +92,7 @@ def operator_table(events: list[Any], on_device: bool) -> dict[str, Any]:
 def format_table(table: dict[str, Any], title: str) -> str:
     """The table as Markdown: the docs show it, and the log prints it."""
     lines = [
-        f"{title}: {table['steps']} optimizer steps, {table['ms_per_step']:.1f} ms each; {table['measure']}",
+        f"{title}: {counted(table['steps'], 'optimizer step')}, {table['ms_per_step']:.1f} ms each; {table['measure']}",
         "",
         "| operator | input dtype | calls | self ms | share of the step |",
         "|---|---|---:|---:|---:|",
@@ -127,7 +128,7 @@ def profiled(accelerator: Accelerator, steps: int, output_dir: Path, title: str)
         text = format_table(table, title)
         write_atomic(folder / TABLE_FILE, text + "\n")
         write_atomic(folder / TABLE_JSON, json.dumps({"title": title, **table}, indent=2))
-        logger.info(f"profile of {steps} optimizer steps, trace and table in {folder}:\n{text}")
+        logger.info(f"profile of {counted(steps, 'optimizer step')}, trace and table in {folder}:\n{text}")
 
     handler = ProfileKwargs(
         activities=["cpu", "cuda"] if on_device else ["cpu"],

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cifar_accel.errors import InputError, one_line
+from cifar_accel.errors import InputError, counted, one_line
 from cifar_accel.schema import bounds, from_json
 
 MAX_COUNT = 10**9  # no real run takes this many epochs, steps or processes
@@ -111,9 +111,11 @@ class TrainerState:
         if folder_step is not None and folder_step != self.global_step:
             return f"'global_step' is {self.global_step} but the folder is named for step {folder_step}"
         if len(self.epoch_totals) not in (0, self.num_processes) or any(len(t) != 3 for t in self.epoch_totals):
-            return f"'epoch_totals' must hold [loss sum, correct, images] for each of {self.num_processes} processes"
+            processes = counted(self.num_processes, "process", "processes")
+            return f"'epoch_totals' must hold [loss sum, correct, images] for each of {processes}"
         if [record.epoch for record in self.history] != list(range(1, self.epoch + 1)):
-            return f"'history' must be a list of {self.epoch} epoch records, of epochs 1 to {self.epoch} in order"
+            records = counted(self.epoch, "epoch record")
+            return f"'history' must be a list of {records}, of epochs 1 to {self.epoch} in order"
         best = (self.best_checkpoint, self.best_epoch, self.best_val_accuracy)
         if all(record.val_accuracy is None for record in self.history):  # also before the first epoch's end
             unvalidated_best = best != (None, None, None)

@@ -210,8 +210,9 @@ def set_up_run(
     if config.gradient_accumulation_steps > len(train_loader):
         raise InputError(
             f"--gradient_accumulation_steps {config.gradient_accumulation_steps} is more than the "
-            f"{len(train_loader)} batches an epoch has on each process, so no optimizer step would see the global "
-            f"batch of {global_batch}; use at most {len(train_loader)}, or a smaller --per_device_train_batch_size"
+            f"{counted(len(train_loader), 'batch', 'batches')} an epoch has on each process, so no optimizer step "
+            f"would see the global batch of {global_batch}; use at most {len(train_loader)}, or a smaller "
+            "--per_device_train_batch_size"
         )
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)

@@ -40,6 +40,7 @@ from torch import nn
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
+from cifar_accel.errors import counted
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
@@ -160,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as training does
     hw = hardware()
-    print(f"{machine_name(hw)}; torch {torch.__version__}, {hw['torch_threads']} threads; {args.precision}, "
+    print(f"{machine_name(hw)}; torch {torch.__version__}, {counted(hw['torch_threads'], 'thread')}; {args.precision}, "
           f"{STEP_IMAGES} images a step")  # fmt: skip
     torch.manual_seed(0)
     batch = (
@@ -175,7 +176,7 @@ def main() -> None:
         start = time.perf_counter()
         for _ in range(args.warmup):
             optimizer_step(*built[name], *batch)
-        print(f"  {name}: warm-up {time.perf_counter() - start:.1f} s for {args.warmup} steps", flush=True)
+        print(f"  {name}: warm-up {time.perf_counter() - start:.1f} s for {counted(args.warmup, 'step')}", flush=True)
     seconds = dict.fromkeys(built, 0.0)
     for _ in range(args.turns):
         for name, parts in built.items():

@@ -20,6 +20,7 @@ from accelerate.state import AcceleratorState
 
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.engine import training_step
+from cifar_accel.errors import counted
 from cifar_accel.models import SimpleCNN
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     precisions = ["no", "fp16", "bf16"] if on_gpu else ["no", "bf16"]
     print(
         f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}; torch {torch.__version__}; "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {torch.get_num_threads()} threads"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {counted(torch.get_num_threads(), 'thread')}"
     )
     print(f"{'precision':<10}{'layout':<15}{'images/s':>10}")
     for precision in precisions:

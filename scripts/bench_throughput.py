@@ -41,7 +41,7 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
-from cifar_accel.errors import user_path
+from cifar_accel.errors import counted, user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
@@ -188,10 +188,11 @@ def main() -> None:
     chapter_recipe = config == recipe("default", "simple_cnn", args.dataset_name, args.batch_size or 64)
     precisions = args.precisions or (["no", "bf16"] if native_bf16() else ["no"])
     hw = hardware()
-    print(f"{machine_name(hw)}; torch {torch.__version__}, {hw['torch_threads']} threads, {hw['cpu_cores']} cores, "
+    threads, cores = counted(hw["torch_threads"], "thread"), counted(hw["cpu_cores"], "core")
+    print(f"{machine_name(hw)}; torch {torch.__version__}, {threads}, {cores}, "
           f"CPU capability {hw['torch_cpu_capability']}, native bf16: {native_bf16()}; model {config.model_name}, "
           f"batch {config.per_device_train_batch_size}, {config.gradient_accumulation_steps} per optimizer step; "
-          f"{args.steps} timed steps")  # fmt: skip
+          f"{counted(args.steps, 'timed step')}")  # fmt: skip
 
     print(f"\n{'precision':<10}{'compile':<9}{'chapter':>10}{'ours':>10}{'compute':>10}{'ours/chapter':>14}"
           f"{'ours/compute':>14}{'warm-up s':>11}   (images/s)")  # fmt: skip

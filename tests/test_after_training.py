@@ -342,7 +342,12 @@ def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(train
         (folder / name).unlink()
     assert run_main(predict.main, ["--model", str(trained_run), str(folder)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("error: none of the 3 image files found could be read: ")
+    assert out == "" and err.startswith("error: no image could be read (3 image files found): ")
+    for name in ("0.png", "cut.png"):
+        (folder / name).unlink()
+    assert run_main(predict.main, ["--model", str(trained_run), str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: no image could be read (1 image file found): ")
 
 
 def test_predict_on_a_folder_of_class_folders_names_them(trained_run, tmp_path, capsys):

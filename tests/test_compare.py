@@ -216,7 +216,10 @@ def test_runs_that_log_to_no_tracker_are_reported(tiny_dataset, cli_env, tmp_pat
     proc = run_cli(args, cli_env, module="cifar_accel.compare")
     assert proc.returncode == 0, proc.stderr
     assert not list((out / "no_seed0").rglob("events.out.tfevents*"))
-    assert json.loads((out / "report.json").read_text())["precisions"][0]["loss_scale_trace"] == {"0": []}
+    report = json.loads((out / "report.json").read_text())
+    assert report["precisions"][0]["loss_scale_trace"] == {"0": []}
+    assert ", 1 epoch, batch 32, " in report["config_summary"]  # a count of one in the singular
+    assert "this comparison trains 1 run at a time" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -289,7 +292,7 @@ def test_a_signal_stops_the_run_in_training_at_a_checkpoint_and_starts_no_other(
 
     assert proc.returncode == 130, stderr
     assert stderr == (
-        "stopped by SIGINT; 2 of 2 runs are not finished (no_seed42, bf16_seed42); run the same command again to "
+        "stopped by SIGINT; the runs not finished, 2 of 2: no_seed42, bf16_seed42; run the same command again to "
         "go on\n"
     )
     assert re.search(r"no_seed42: stopped by SIGINT after \d+ epochs? and ", stdout)  # its line: one SIGINT came

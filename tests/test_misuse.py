@@ -400,7 +400,7 @@ STATE_CASES = [
     ({"best_checkpoint": "../../x"}, "its best checkpoint '../../x' does not exist"),
     ({"best_epoch": 3}, "'best_epoch' must be an epoch from 1 to 2"),
     ({"epoch_totals": [1, 2]}, "'epoch_totals[0]' must be a list, not int (1)"),
-    ({"epoch_totals": [[1, 2]]}, "'epoch_totals' must hold [loss sum, correct, images] for each of 1 processes"),
+    ({"epoch_totals": [[1, 2]]}, "'epoch_totals' must hold [loss sum, correct, images] for each of 1 process)"),
     ({"epoch_totals": [[1, 2, -3]]}, "'epoch_totals[0][2]' must be >= 0, got -3.0"),
     ({"history": []}, "'history' must be a list of 2 epoch records"),
     ({"history": [{"epoch": 1}, {"epoch": 2}]}, "missing keys in history[0]: epoch_seconds, learning_rate"),

@@ -67,6 +67,7 @@ def test_one_epoch_run_leaves_weights_results_checkpoint_and_events(tiny_dataset
     assert f"| test accuracy | {results['test_accuracy']:.4f} (test-time augmentation: none) |" in body
     assert f"| precision in effect | {precision} (requested `{precision}` by --mixed_precision flag) |" in body
     assert "| training images | 294 (validated on 33 images held out of the train split) |" in body
+    assert re.search(r"\| hardware \| .* \(\d cores?\), 1 process, device `cpu` \|", body)
     assert "![training curves](curves.png)" in body and "from cifar_accel import load_model" in body
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
