@@ -33,6 +33,7 @@ from cifar_accel.outputs import (
     WEIGHTS_FILE,
     checkpoint_dir,
     complete_checkpoints,
+    is_own_checkpoint,
 )
 from cifar_accel.schema import from_json
 from cifar_accel.state import TrainerState, checkpoint_name
@@ -297,7 +298,7 @@ def check_resumed_in_place(path: Path, output_dir: Path) -> None:
     """Refuse a checkpoint of ``output_dir`` itself that later checkpoints there follow: the resumed run would save
     a second history over theirs (other weights, where a flag a resume may change differs), and 'latest' would mix
     the two. A checkpoint of another folder is a fork, which writes only into its own."""
-    if path.resolve().parent != checkpoint_dir(output_dir).resolve():
+    if not is_own_checkpoint(path, output_dir):
         return
     names = [checkpoint.name for checkpoint in complete_checkpoints(output_dir)]  # oldest first
     later = names[names.index(path.name) + 1 :] if path.name in names else []  # a folder of another name

@@ -33,6 +33,7 @@ PER_STEP_SCHEDULES = ("linear", "cosine_steps")  # the lr_scheduler_type values 
 ModelName = Literal[tuple(MODELS)]  # the registry's names (cifar_accel/models)
 PRESETS_DIR = Path(__file__).parent / "configs"  # the packaged config files, selectable by name with --config
 DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
+CONFIG_FILE = "config.yaml"  # the effective config a run writes into its folder (config_yaml)
 CONFIG_HEADER = "# The effective config of a cifar_accel training run"  # how a run's config.yaml is told from a user's
 SECRET_FIELD = "hub_token"  # never shown: not in config.yaml, the log, the trackers, nor an error line
 
@@ -347,7 +348,8 @@ class TrainConfig:
     # Outputs
     output_dir: str = _field(
         "outputs/cifar10",
-        "Where checkpoints, logs, model.safetensors and results.json go.",
+        "Where checkpoints, logs, model.safetensors and results.json go; a run's own config.yaml given to --config "
+        "sets it to that file's folder.",
         resume="may_change",
         path=True,
         plumbing=True,
@@ -677,6 +679,16 @@ def config_path(spec: str) -> Path:
     return path
 
 
+def written_by_a_run(path: str | os.PathLike) -> bool:
+    """Whether the config file ``path`` is one a training run wrote: it opens with ``CONFIG_HEADER``."""
+    header = CONFIG_HEADER.encode()
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(header)) == header
+    except OSError:
+        return False
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML config file into checked values, refusing unknown keys and wrong types.
 
@@ -684,8 +696,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """
     try:
         info = os.stat(path)
-        if stat.S_ISDIR(info.st_mode) and (Path(path) / "config.yaml").is_file():  # a run folder
-            raise InputError(f"config file {path} is a folder; pass its config.yaml ({Path(path) / 'config.yaml'})")
+        if stat.S_ISDIR(info.st_mode) and (Path(path) / CONFIG_FILE).is_file():  # a run folder
+            raise InputError(f"config file {path} is a folder; pass its {CONFIG_FILE} ({Path(path) / CONFIG_FILE})")
         if not stat.S_ISREG(info.st_mode):
             raise InputError(f"config file {path} is not a regular file; pass a YAML file")
         if info.st_size > MAX_CONFIG_BYTES:
@@ -816,7 +828,13 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
     if unknown:
         raise InputError(parser.unknown_argument(unknown, lambda word: _left_over(parser, argv, word)))
     cli = {k: v for k, v in vars(args).items() if k in FIELDS}
-    from_file = read_config_file(config_path(args.config)) if hasattr(args, "config") else {}
+    config_file = config_path(args.config) if hasattr(args, "config") else None
+    from_file = read_config_file(config_file) if config_file else {}
+    if config_file and config_file.name == CONFIG_FILE and written_by_a_run(config_file):
+        # A run's own config.yaml stands for that run, wherever its folder is now and from whichever folder it is
+        # given: the output_dir it records may be relative to another folder, or name the run's folder before it
+        # was moved or copied (a copy's resume would go on in the original).
+        from_file["output_dir"] = str(config_file.parent)
 
     values = {**from_file, **cli}
     for name, value in cli.items():

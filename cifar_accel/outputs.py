@@ -23,14 +23,13 @@ from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from torch import nn
 
-from cifar_accel.config import CONFIG_HEADER, TrainConfig
+from cifar_accel.config import CONFIG_FILE, TrainConfig, written_by_a_run
 from cifar_accel.errors import InputError, RunFault
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"  # a run's final weights
 RESULTS_FILE = "results.json"  # what a finished run measured (telemetry.run_results)
-CONFIG_FILE = "config.yaml"  # the effective config (config.config_yaml)
 LABELS_FILE = "labels.json"  # the class names, for evaluate, predict and load_model
 PREPROCESSING_FILE = "preprocessing.json"  # the input normalisation (transforms.Normalization), for the same
 CHECKPOINTS_DIR = "checkpoints"
@@ -65,11 +64,9 @@ def file_sha256(path: Path) -> str:
 
 
 def is_run_config(path: Path) -> bool:
-    """Whether ``path`` is a config.yaml a training run wrote: it starts with ``CONFIG_HEADER`` (or, written before
-    the header was, it has the run's labels.json beside it)."""
-    return path.is_file() and (
-        _starts_with(path, CONFIG_HEADER, len(CONFIG_HEADER)) or (path.parent / LABELS_FILE).is_file()
-    )
+    """Whether ``path`` is a config.yaml a training run wrote: it opens with the header runs write (or, written
+    before the header was, it has the run's labels.json beside it)."""
+    return path.is_file() and (written_by_a_run(path) or (path.parent / LABELS_FILE).is_file())
 
 
 def json_keys(path: Path) -> set[str]:
@@ -121,6 +118,19 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name) and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
+
+
+def is_own_checkpoint(path: str | Path, output_dir: str | Path) -> bool:
+    """Whether checkpoint ``path`` is one of ``output_dir``'s own (its checkpoints/step_N), not another folder's."""
+    return Path(path).resolve().parent == checkpoint_dir(output_dir).resolve()
+
+
+def starts_a_history(config: TrainConfig, output_dir: Path) -> bool:
+    """Whether the run writes a history of its own into ``output_dir``: it starts from scratch, or resumes another
+    folder's checkpoint (a fork); not when it goes on from one of the folder's own ('latest', or a path there).
+    'auto' is resolved to one or the other before this is asked."""
+    resume = config.resume_from_checkpoint
+    return resume is None or (resume != "latest" and not is_own_checkpoint(resume, output_dir))
 
 
 def holds_run(folder: Path) -> bool:
@@ -352,7 +362,7 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
     set aside, unless told to replace it; and a config.yaml, or any other file a run writes, that is the user's,
     not a run's."""
     aside = output_dir / REPLACED_RUN
-    replacing = config.overwrite_output_dir and config.resume_from_checkpoint is None
+    replacing = config.overwrite_output_dir and starts_a_history(config, output_dir)
     if aside.exists() and holds_run(output_dir):
         raise InputError(
             f"'{output_dir}' holds a run, and {set_aside_note(output_dir)}; neither is deleted: move one of them to "
@@ -363,14 +373,16 @@ def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
             f"'{output_dir}' holds no checkpoint: {set_aside_note(output_dir)}; restore it with "
             f"'{restore_command(output_dir)}', replace it with --overwrite_output_dir, or pick another --output_dir"
         )
-    if holds_run(output_dir) and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+    if holds_run(output_dir) and starts_a_history(config, output_dir) and not config.overwrite_output_dir:
         checkpoints = bool(complete_checkpoints(output_dir))
         earlier = [RESULTS_FILE] if (output_dir / RESULTS_FILE).exists() else []
         earlier += [CHECKPOINTS_DIR] if checkpoints else []
         resume = "continue it with --resume_from_checkpoint latest, " if checkpoints else ""
+        forked = config.resume_from_checkpoint  # None, or another folder's checkpoint
+        over = f", and resuming {forked}, another folder's checkpoint, there would write a second history over it"
         raise InputError(
-            f"'{output_dir}' already holds a run ({', '.join(earlier)}); {resume}replace it with "
-            "--overwrite_output_dir, or pick another --output_dir"
+            f"'{output_dir}' already holds a run ({', '.join(earlier)}){over if forked else ''}; {resume}replace it "
+            "with --overwrite_output_dir, or pick another --output_dir"
         )
     config_file = output_dir / CONFIG_FILE
     if config_file.exists() and not is_run_config(config_file):

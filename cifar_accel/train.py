@@ -64,6 +64,7 @@ from cifar_accel.outputs import (
     export_weights,
     remove_discarded_runs,
     set_aside_earlier_run,
+    starts_a_history,
     writable_output_dir,
     write_atomic,
 )
@@ -463,7 +464,7 @@ def open_run_outputs(run: Run) -> Path | None:
     accelerator, config, output_dir = run.accelerator, run.config, run.output_dir
     replaced = None
     if accelerator.is_main_process:
-        if config.overwrite_output_dir and config.resume_from_checkpoint is None:
+        if config.overwrite_output_dir and starts_a_history(config, output_dir):
             replaced = set_aside_earlier_run(output_dir)
             if replaced is not None:
                 logger.info(f"--overwrite_output_dir: the earlier run waits in {replaced} until the first checkpoint")

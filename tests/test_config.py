@@ -245,6 +245,24 @@ def test_config_round_trips_through_yaml(tmp_path):
         assert TrainConfig(**read_config_file(tmp_path / "config.yaml")) == config
 
 
+def test_a_runs_own_config_yaml_stands_for_the_folder_it_is_in(tmp_path, monkeypatch):
+    """Wherever the run's folder is now and from whichever folder --config names it; --output_dir still overrides
+    it. A config file of the user's keeps its output_dir, even named config.yaml."""
+    from cifar_accel.config import config_yaml
+
+    run = tmp_path / "moved" / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(config_yaml(dataclasses.replace(TrainConfig(), output_dir="/old/place/run")))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load_config(["--config", "../moved/run/config.yaml"])[0].output_dir == "../moved/run"
+    assert load_config(["--config", str(run / "config.yaml")])[0].output_dir == str(run)
+    assert load_config(["--config", "../moved/run/config.yaml", "--output_dir", "fork"])[0].output_dir == "fork"
+
+    (run / "config.yaml").write_text("output_dir: runs/a\nlearning_rate: 0.01\n")  # no header: the user's file
+    assert load_config(["--config", "../moved/run/config.yaml"])[0].output_dir == "runs/a"
+
+
 def test_every_field_says_what_a_resume_may_do_with_it():
     """The resume fingerprint is derived from the fields' metadata; a field without it cannot be declared."""
     for name, f in FIELDS.items():

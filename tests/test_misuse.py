@@ -426,6 +426,24 @@ def test_an_invalid_trainer_state_is_refused_before_anything_is_written(earlier_
     assert snapshot(earlier_run) == before
 
 
+def test_a_copied_runs_config_yaml_trains_the_copy_on_and_leaves_the_original_alone(
+    finished_run, earlier_run, tiny_dataset, train_here, tmp_path, monkeypatch
+):
+    """A run copied (or moved) to train it longer: its config.yaml records the original's output_dir, where the
+    resume once went on, replacing the original's weights and results; from another folder too."""
+    original = snapshot(finished_run)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    proc = train_here(
+        ["--config", "../run/config.yaml", "--num_train_epochs", "3", "--resume_from_checkpoint", "latest"]
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from ../run/checkpoints/step_00000018: 2 epochs and 0 batches done" in proc.stdout
+    assert json.loads((earlier_run / "results.json").read_text())["epochs_completed"] == 3
+    assert snapshot(finished_run) == original
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
 def test_a_checkpoint_with_the_epoch_totals_of_all_processes_in_one_list_still_resumes(
     earlier_run, tiny_dataset, train_here
 ):
@@ -451,6 +469,34 @@ def test_an_older_checkpoint_of_the_folder_itself_is_refused_as_a_second_history
         f"or remove the later checkpoints first: rm -r {' '.join(later)}"
     )
     assert snapshot(earlier_run) == before
+
+
+def test_a_fork_into_a_folder_that_holds_a_run_is_refused_and_leaves_that_run_whole(
+    finished_run, earlier_run, tiny_dataset, train_here
+):
+    """Another folder's checkpoint resumed into a folder that holds a run (another one, or the fork itself started
+    again from its config.yaml, which records the source) once wrote over its weights, results and checkpoints;
+    --overwrite_output_dir sets that run aside, as for a new run."""
+    before = snapshot(earlier_run)
+    source = finished_run / "checkpoints" / "step_00000012"
+    fork = run_args(tiny_dataset, earlier_run, "--resume_from_checkpoint", str(source), "--max_grad_norm", "0.5")
+    proc = train_here(fork)
+    assert proc.returncode == 2
+    assert one_error_line(proc) == (
+        f"error: '{earlier_run}' already holds a run (results.json, checkpoints), and resuming {source}, another "
+        "folder's checkpoint, there would write a second history over it; continue it with --resume_from_checkpoint "
+        "latest, replace it with --overwrite_output_dir, or pick another --output_dir"
+    )
+    assert snapshot(earlier_run) == before
+
+    proc = train_here([*fork, "--overwrite_output_dir"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {source}: 1 epoch and 3 batches done" in proc.stdout
+    assert f"the earlier run waits in {earlier_run / '.replaced-run'} until the first checkpoint" in proc.stdout
+    assert not (earlier_run / ".replaced-run").exists() and (earlier_run / "notes.txt").read_text() == "mine"
+    assert [p.name for p in complete_checkpoints(earlier_run)] == ["step_00000009", "step_00000016", "step_00000018"]
+    last = Path("checkpoints", "step_00000018", "model.safetensors")  # trained on with --max_grad_norm 0.5
+    assert (earlier_run / last).read_bytes() != (finished_run / last).read_bytes()
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
