@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import typing
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from cifar_accel.config import (
     read_config_file,
     resolve_mixed_precision,
 )
-from cifar_accel.data import GIT_LFS_FIX, IMAGE_SIZE, git_lfs_pointer, image_to_rgb32
+from cifar_accel.data import GIT_LFS_FIX, IMAGE_SIZE, git_lfs_pointer, image_to_rgb32, to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line, path_problem
 from cifar_accel.models import build_model
@@ -48,7 +49,12 @@ from cifar_accel.outputs import (
 )
 from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform, Normalization
 
-EXPECTED_IMAGES = "a non-empty list of PIL images, or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32)"
+EXPECTED_IMAGES = (
+    "a non-empty list of PIL images or image files, or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32)"
+)
+# What as_batch, probabilities and predict take: PIL images and image files (paths), or a uint8 tensor.
+IMAGE_TYPES = (Image.Image, str, os.PathLike)
+Images = Sequence[Image.Image | str | os.PathLike] | torch.Tensor
 
 
 @dataclass
@@ -62,18 +68,20 @@ class TrainedModel:
     config: TrainConfig
     weights: Path
 
-    def as_batch(self, images: Sequence[Image.Image] | torch.Tensor) -> torch.Tensor:
-        """PIL images (any mode and size, converted as training images are) or a uint8 tensor of shape
-        (N, 3, 32, 32) or (3, 32, 32), as one uint8 batch on the model's device. Anything else is a ValueError
-        that names what is expected."""
+    def as_batch(self, images: Images) -> torch.Tensor:
+        """PIL images and image files (any mode and size, converted as training images are, a file as ``predict``
+        reads it) or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32), as one uint8 batch on the model's
+        device. Anything else is a ValueError that names what is expected; a file that cannot be read raises as
+        opening it would."""
         if isinstance(images, torch.Tensor):
             batch = images.unsqueeze(0) if images.dim() == 3 else images
             if batch.dtype != torch.uint8 or batch.dim() != 4 or tuple(batch.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
                 raise ValueError(f"expected {EXPECTED_IMAGES}, got {batch.dtype} of shape {tuple(images.shape)}")
             if not len(batch):
                 raise ValueError(f"expected {EXPECTED_IMAGES}, got an empty tensor")
-        elif isinstance(images, (list, tuple)) and images and all(isinstance(i, Image.Image) for i in images):
-            batch = torch.stack([torch.tensor(image_to_rgb32(image)[0]) for image in images])
+        elif isinstance(images, (list, tuple)) and images and all(isinstance(i, IMAGE_TYPES) for i in images):
+            arrays = [image_to_rgb32(i)[0] if isinstance(i, Image.Image) else to_rgb32(i)[0] for i in images]
+            batch = torch.stack([torch.tensor(array) for array in arrays])
         elif isinstance(images, (list, tuple)):
             kinds = sorted({type(image).__name__ for image in images})
             got = f"a list of {', '.join(kinds)}" if kinds else "an empty list"
@@ -83,9 +91,7 @@ class TrainedModel:
         return batch.to(next(self.model.parameters()).device)
 
     @torch.no_grad()
-    def probabilities(
-        self, images: Sequence[Image.Image] | torch.Tensor, tta: str = "none", tta_below_confidence: float = 1.0
-    ) -> torch.Tensor:
+    def probabilities(self, images: Images, tta: str = "none", tta_below_confidence: float = 1.0) -> torch.Tensor:
         """Class probabilities, (N, classes) float32 on the CPU, with test-time augmentation ``tta`` if asked (only
         for the images whose plain prediction is less sure than ``tta_below_confidence``, where that is under 1).
 
@@ -107,7 +113,7 @@ class TrainedModel:
 
     def predict(
         self,
-        images: Sequence[Image.Image] | torch.Tensor,
+        images: Images,
         top_k: int = 1,
         tta: str = "none",
         tta_below_confidence: float = 1.0,

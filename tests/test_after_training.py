@@ -15,7 +15,7 @@ from PIL import Image
 
 from cifar_accel import compare, export, predict
 from cifar_accel import evaluate as evaluate_command
-from cifar_accel.data import load_split
+from cifar_accel.data import image_to_rgb32, load_split, to_rgb32
 from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.inference import load_model
@@ -431,14 +431,15 @@ def test_the_documented_python_example_runs_and_agrees_with_the_model(trained_ru
     namespace: dict = {}
     exec(compile(example, "evaluation.md", "exec"), namespace)  # noqa: S102 - the documentation's own example
 
-    class_names, top3 = capsys.readouterr().out.strip().splitlines()
+    class_names, top3, rotated = capsys.readouterr().out.strip().splitlines()
     assert class_names == str(CLASS_NAMES)
     classifier = namespace["classifier"]
-    with torch.no_grad():
-        batch = classifier.as_batch([Image.open(tmp_path / "cat.png")])
-        probabilities = classifier.model(classifier.preprocess(batch)).softmax(1)[0]
-    best = probabilities.topk(3)
-    assert top3 == str([[(CLASS_NAMES[i], float(p)) for p, i in zip(best.values, best.indices, strict=True)]])
+    # The file as predict reads it, and the PIL image turned a quarter, each a batch of one as in the example.
+    arrays = (to_rgb32(tmp_path / "cat.png")[0], image_to_rgb32(Image.open(tmp_path / "cat.png").rotate(90))[0])
+    for line, array, k in zip((top3, rotated), arrays, (3, 1), strict=True):
+        with torch.no_grad():
+            best = classifier.model(classifier.preprocess(torch.tensor(array)[None])).softmax(1)[0].topk(k)
+        assert line == str([[(CLASS_NAMES[i], float(p)) for p, i in zip(best.values, best.indices, strict=True)]])
     assert namespace["probabilities"].shape == (4, 10)
     assert torch.allclose(namespace["probabilities"].sum(1), torch.ones(4))
     assert namespace["logits"].shape == (4, 10) and not classifier.model.training

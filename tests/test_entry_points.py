@@ -340,8 +340,9 @@ def test_tta_below_confidence_without_tta_is_refused_as_training_refuses_it(runs
 )  # fmt: skip
 def test_the_python_api_names_the_expected_input_in_one_error(runs, images, kwargs, message):
     trained = load_model(runs["default"])
-    with pytest.raises(ValueError, match="^" + re.escape("expected a non-empty list of PIL images, or a uint8 tensor")
-                       if message.startswith("got") else re.escape(message)) as err:  # fmt: skip
+    expected = "expected a non-empty list of PIL images or image files, or a uint8 tensor"
+    with pytest.raises(ValueError, match="^" + re.escape(expected) if message.startswith("got") else re.escape(message)
+                       ) as err:  # fmt: skip
         trained.predict(images, **kwargs)
     assert message in str(err.value)
 
