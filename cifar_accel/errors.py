@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import typing
@@ -360,6 +361,25 @@ def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None
     except Exception as err:  # noqa: BLE001 - every other fault is a run-time fault
         if debug:
             raise
+        if (problem := unreadable_flag_variable(err)) is not None:
+            print_error(f"error: {problem}")
+            return 2
         print_error(f"error: {type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)")
         return 1
     return 0
+
+
+TRUTH_VALUE_ERROR = re.compile(r"invalid truth value (.*)")  # accelerate.utils.str_to_bool's ValueError
+
+
+def unreadable_flag_variable(err: Exception) -> str | None:
+    """The line for Accelerate's ValueError on an environment variable that it reads as true or false (set by
+    hand, or by a launcher profile) holding something else, naming the variable; else None."""
+    match = TRUTH_VALUE_ERROR.fullmatch(str(err)) if isinstance(err, ValueError) else None
+    if match is None:
+        return None
+    settings = [f"{name} is {value!r}" for name, value in sorted(os.environ.items()) if value.lower() == match[1]]
+    return (
+        f"{' and '.join(settings) or f'an environment variable is {match[1]!r}'}, which Accelerate reads as true or "
+        "false; set it to true or false (1 or 0), or unset it"
+    )

@@ -311,6 +311,22 @@ def test_bad_input_found_after_the_output_folder_is_made_leaves_no_folder(tiny_d
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize(("module", "variable"), [("cifar_accel.train", "ACCELERATE_USE_CPU"),
+                                                ("cifar_accel.compare", "ACCELERATE_USE_DEEPSPEED")])  # fmt: skip
+def test_an_accelerate_flag_variable_that_is_not_true_or_false_is_named(tiny_dataset, cli_env, tmp_path, module,
+                                                                      variable):  # fmt: skip
+    """Accelerate reads such variables (set by hand or by a launcher profile) as true or false, and its ValueError
+    named neither the variable nor the fix: a run-time fault (exit code 1) for bad input."""
+    flags = ["--dataset_name", str(tiny_dataset), "--output_dir", str(tmp_path / "out")]
+    proc = run_cli(flags, {**cli_env, variable: "Maybe"}, module=module)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"error: {variable} is 'Maybe', which Accelerate reads as true or false; set it to true or false (1 or 0), or "
+        "unset it\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_libraries_log_line_is_printed_once(cli_env, tmp_path):
     """`datasets` logs the parquet reader's failure through its own handler, and its logger propagates to the root
     logger, where the command's handler printed it a second time."""
