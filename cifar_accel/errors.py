@@ -361,7 +361,7 @@ def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None
     except Exception as err:  # noqa: BLE001 - every other fault is a run-time fault
         if debug:
             raise
-        if (problem := unreadable_flag_variable(err)) is not None:
+        if (problem := environment_problem(err)) is not None:
             print_error(f"error: {problem}")
             return 2
         print_error(f"error: {type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)")
@@ -370,16 +370,28 @@ def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None
 
 
 TRUTH_VALUE_ERROR = re.compile(r"invalid truth value (.*)")  # accelerate.utils.str_to_bool's ValueError
+NUMBER_ERROR = re.compile(r"invalid literal for int\(\) with base 10: '(.*)'")
+# The whole numbers a launcher (torchrun, accelerate launch, srun through them) sets for each process it starts.
+LAUNCHER_NUMBERS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT")
 
 
-def unreadable_flag_variable(err: Exception) -> str | None:
-    """The line for Accelerate's ValueError on an environment variable that it reads as true or false (set by
-    hand, or by a launcher profile) holding something else, naming the variable; else None."""
-    match = TRUTH_VALUE_ERROR.fullmatch(str(err)) if isinstance(err, ValueError) else None
-    if match is None:
+def environment_problem(err: Exception) -> str | None:
+    """The line for a ValueError that an environment variable caused, naming it: one that Accelerate reads as
+    true or false (set by hand, or by a launcher profile) holding something else, or one of a launcher's numbers
+    that is not a whole number; else None."""
+    if not isinstance(err, ValueError):
         return None
-    settings = [f"{name} is {value!r}" for name, value in sorted(os.environ.items()) if value.lower() == match[1]]
-    return (
-        f"{' and '.join(settings) or f'an environment variable is {match[1]!r}'}, which Accelerate reads as true or "
-        "false; set it to true or false (1 or 0), or unset it"
-    )
+    if match := TRUTH_VALUE_ERROR.fullmatch(str(err)):
+        settings = [f"{name} is {value!r}" for name, value in sorted(os.environ.items()) if value.lower() == match[1]]
+        return (
+            f"{' and '.join(settings) or f'an environment variable is {match[1]!r}'}, which Accelerate reads as true "
+            "or false; set it to true or false (1 or 0), or unset it"
+        )
+    if match := NUMBER_ERROR.fullmatch(str(err)):
+        settings = [f"{name} is {os.environ[name]!r}" for name in LAUNCHER_NUMBERS if os.environ.get(name) == match[1]]
+        if settings:
+            return (
+                f"{' and '.join(settings)}, where a launcher (torchrun, accelerate launch) puts a whole number; unset "
+                "it, or start the command through the launcher"
+            )
+    return None

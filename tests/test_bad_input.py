@@ -311,19 +311,26 @@ def test_bad_input_found_after_the_output_folder_is_made_leaves_no_folder(tiny_d
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize(("module", "variable"), [("cifar_accel.train", "ACCELERATE_USE_CPU"),
-                                                ("cifar_accel.compare", "ACCELERATE_USE_DEEPSPEED")])  # fmt: skip
-def test_an_accelerate_flag_variable_that_is_not_true_or_false_is_named(tiny_dataset, cli_env, tmp_path, module,
-                                                                      variable):  # fmt: skip
-    """Accelerate reads such variables (set by hand or by a launcher profile) as true or false, and its ValueError
-    named neither the variable nor the fix: a run-time fault (exit code 1) for bad input."""
+FLAG = "which Accelerate reads as true or false; set it to true or false (1 or 0), or unset it"
+NUMBER = "where a launcher (torchrun, accelerate launch) puts a whole number; unset it, or start the command through "
+
+
+@pytest.mark.parametrize(("module", "variable", "value", "words"), [
+    ("cifar_accel.train", "ACCELERATE_USE_CPU", "Maybe", FLAG),
+    ("cifar_accel.compare", "ACCELERATE_USE_DEEPSPEED", "Maybe", FLAG),
+    ("cifar_accel.train", "LOCAL_RANK", "x", NUMBER),
+    ("cifar_accel.train", "WORLD_SIZE", "2x", NUMBER),
+])  # fmt: skip
+def test_an_environment_variable_of_accelerate_or_a_launcher_with_a_bad_value_is_named(
+    tiny_dataset, cli_env, tmp_path, module, variable, value, words
+):
+    """Accelerate reads flags as true or false and a launcher's numbers as whole numbers (so does the package, the
+    process count), and their ValueError named neither the variable nor the fix: a run-time fault (exit code 1) for
+    bad input."""
     flags = ["--dataset_name", str(tiny_dataset), "--output_dir", str(tmp_path / "out")]
-    proc = run_cli(flags, {**cli_env, variable: "Maybe"}, module=module)
+    proc = run_cli(flags, {**cli_env, variable: value}, module=module)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == (
-        f"error: {variable} is 'Maybe', which Accelerate reads as true or false; set it to true or false (1 or 0), or "
-        "unset it\n"
-    )
+    assert proc.stderr.startswith(f"error: {variable} is {value!r}, {words}") and len(proc.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
