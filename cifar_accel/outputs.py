@@ -128,9 +128,12 @@ def is_own_checkpoint(path: str | Path, output_dir: str | Path) -> bool:
 def starts_a_history(config: TrainConfig, output_dir: Path) -> bool:
     """Whether the run writes a history of its own into ``output_dir``: it starts from scratch, or resumes another
     folder's checkpoint (a fork); not when it goes on from one of the folder's own ('latest', or a path there).
-    'auto' is resolved to one or the other before this is asked."""
+    'auto' is resolved to one or the other before this is asked; a path that is no folder is left to
+    ``resolve_checkpoint`` to refuse."""
     resume = config.resume_from_checkpoint
-    return resume is None or (resume != "latest" and not is_own_checkpoint(resume, output_dir))
+    return resume is None or (
+        resume != "latest" and Path(resume).is_dir() and not is_own_checkpoint(resume, output_dir)
+    )
 
 
 def holds_run(folder: Path) -> bool:
