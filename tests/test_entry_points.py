@@ -391,8 +391,11 @@ def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs,
     run = runs["default"]
     if command[0] == "cifar-accel-predict":
         command = [str(Path(sys.executable).parent / "cifar-accel-predict")]
+    # Started as from a terminal, where Ctrl-C reaches it: SIGINT at its default, which a shell's background job
+    # (the test run itself started with &) would pass on ignored, and Python would then never raise KeyboardInterrupt.
     proc = subprocess.Popen([*command, "--model", str(run), str(run / "curves.png")], env=cli_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     time.sleep(0.5)  # Python has started, and imports torch for a second or more
     while proc.poll() is None:  # again, where a library's bare `except:` took one for its own import error
         proc.send_signal(signal.SIGINT)
