@@ -679,14 +679,19 @@ def config_path(spec: str) -> Path:
     return path
 
 
-def written_by_a_run(path: str | os.PathLike) -> bool:
-    """Whether the config file ``path`` is one a training run wrote: it opens with ``CONFIG_HEADER``."""
-    header = CONFIG_HEADER.encode()
+def opens_with(path: str | os.PathLike, mark: str, size: int) -> bool:
+    """Whether ``mark`` is within the first ``size`` characters of the file ``path`` (False where it cannot be
+    read)."""
     try:
-        with open(path, "rb") as file:
-            return file.read(len(header)) == header
+        with open(path, errors="replace") as file:
+            return mark in file.read(size)
     except OSError:
         return False
+
+
+def written_by_a_run(path: str | os.PathLike) -> bool:
+    """Whether the config file ``path`` is one a training run wrote: it opens with ``CONFIG_HEADER``."""
+    return opens_with(path, CONFIG_HEADER, len(CONFIG_HEADER))
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

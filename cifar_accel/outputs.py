@@ -23,7 +23,7 @@ from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from torch import nn
 
-from cifar_accel.config import CONFIG_FILE, TrainConfig, written_by_a_run
+from cifar_accel.config import CONFIG_FILE, TrainConfig, opens_with, written_by_a_run
 from cifar_accel.errors import InputError, RunFault
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ RUN_FILES = (
 
 def is_model_card(path: Path) -> bool:
     """Whether ``path`` is a model card this package wrote (its metadata names the library)."""
-    return _starts_with(path, CARD_MARK, 4096)
+    return opens_with(path, CARD_MARK, 4096)
 
 
 def file_sha256(path: Path) -> str:
@@ -97,14 +97,6 @@ def refuse_foreign_files(
             f"'{folder}' already holds {listing}, which {writer} writes but did not write there; move "
             f"{'it' if len(found) == 1 else 'them'}, or pick another {flag}"
         )
-
-
-def _starts_with(path: Path, mark: str, size: int) -> bool:
-    try:
-        with open(path, errors="replace") as file:
-            return mark in file.read(size)
-    except OSError:
-        return False
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
