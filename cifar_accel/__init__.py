@@ -2,7 +2,6 @@
 
 import os
 import sys
-import types
 
 # The module that `python -m` runs, if any, and the console script, if any: what follows treats the commands apart
 # from a program that imports the package.
@@ -18,20 +17,10 @@ _SHADOWING = {os.path.dirname(os.path.abspath(__file__))} | (
 )
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) not in _SHADOWING]
 
-
-def _interrupted_in_one_line(
-    kind: type[BaseException], value: BaseException, traceback: types.TracebackType | None
-) -> None:
-    """Ctrl-C while a command still imports its libraries (seconds, before its own error handling runs): one line on
-    stderr, as later, rather than Python's traceback; the exit status stays that of SIGINT."""
-    if issubclass(kind, KeyboardInterrupt):
-        sys.stderr.write("error: interrupted\n")
-    else:
-        sys.__excepthook__(kind, value, traceback)
-
-
 if (_MODULE.startswith("cifar_accel.") or _SCRIPT.startswith("cifar-accel-")) and "--debug" not in sys.argv:
-    sys.excepthook = _interrupted_in_one_line
+    from cifar_accel import errors
+
+    errors.stop_at_once_while_importing()
 
 from cifar_accel.inference import TrainedModel, load_model  # noqa: E402 - after the sys.path repair above
 

@@ -15,8 +15,10 @@ import logging
 import os
 import platform
 import re
+import signal
 import sys
 import threading
+import types
 import typing
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -332,8 +334,25 @@ def print_error(line: str) -> None:
     sys.stderr.flush()
 
 
+def stop_at_once_while_importing() -> None:
+    """Ctrl-C in the seconds a command spends importing torch and the rest, before its own handling below runs:
+    one line and the exit status of SIGINT, at once. A KeyboardInterrupt raised there printed the import's
+    traceback, or aborted the process when it landed in a C++ extension's initialisation (pybind11 cannot carry
+    it out). Where SIGINT is ignored (``nohup``, a shell's background job) it stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+
+def _interrupted_while_importing(number: int, frame: types.FrameType | None) -> None:
+    print_error("error: interrupted")
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:  # imported: Ctrl-C raises, caught below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     keep_stderr_for_errors()
     debug = "--debug" in argv
     if not debug:

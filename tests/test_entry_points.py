@@ -387,7 +387,8 @@ def test_the_package_imports_under_python_m_with_no_argument_after_the_module(cl
                          ids=["module", "console-script"])  # fmt: skip
 def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs, cli_env):
     """Ctrl-C in the seconds a command spends importing torch and the rest, before its own error handling runs,
-    printed Python's traceback of the import; now the one line it prints later, and the exit status of SIGINT."""
+    printed Python's traceback of the import, or aborted the process where it landed in a C++
+    extension's initialisation; now the one line it prints later, and the exit status of SIGINT."""
     run = runs["default"]
     if command[0] == "cifar-accel-predict":
         command = [str(Path(sys.executable).parent / "cifar-accel-predict")]
@@ -397,12 +398,10 @@ def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     time.sleep(0.5)  # Python has started, and imports torch for a second or more
-    while proc.poll() is None:  # again, where a library's bare `except:` took one for its own import error
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert (out, err) == ("", "error: interrupted\n")
-    assert proc.returncode in (-signal.SIGINT, 130)  # by SIGINT during the imports; 130 from the command after them
+    assert proc.returncode == -signal.SIGINT  # killed by it, as a program without a handler for it is
 
 
 def test_results_json_is_typed_keeps_its_keys_and_older_files_still_load(runs, tmp_path):
