@@ -390,11 +390,13 @@ def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
     32x32 (bilinear) where it is not. Returns the array and, when the image had to be converted, what it was (for
     example 'L 64x48', or 'RGB 4032x3024, EXIF-rotated' for a phone photo).
 
-    Two conversions are not PIL's ``convert("RGB")``, which keeps a pixel's number and drops its transparency:
+    Three conversions are not PIL's ``convert("RGB")``, which keeps a pixel's number and drops its transparency:
     16-bit greyscale (modes I;16 and I, as PIL opens 16-bit PNG, TIFF and PGM files) keeps its high byte, as PIL
-    reads 16-bit colour files, where PIL would clip every value above 255 to white; and transparent pixels are
-    laid over white, as Hugging Face's image processors do, where PIL would show the colour stored under them
-    (often black)."""
+    reads 16-bit colour files, where PIL would clip every value above 255 to white; floating-point greyscale (mode
+    F, 32-bit TIFF) is read as intensities from 0 to 1, as Hugging Face's image processors read float images, where
+    PIL would round them to black (values outside that range are refused: what they mean is not known); and
+    transparent pixels are laid over white, as those processors do, where PIL would show the colour stored under
+    them (often black)."""
     original = f"{image.mode} {image.width}x{image.height}"
     rotated = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
     if rotated:
@@ -402,6 +404,14 @@ def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
         original += ", EXIF-rotated"
     if image.mode == "I" or image.mode.startswith("I;16"):
         image = Image.fromarray((np.asarray(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8))
+    elif image.mode == "F":
+        values = np.asarray(image)
+        if not (values.min() >= 0 and values.max() <= 1):  # NaN fails both
+            raise ValueError(
+                f"a floating-point image with values from {values.min():g} to {values.max():g}, where intensities "
+                "from 0 to 1 are read; save it with 8 bits per channel"
+            )
+        image = Image.fromarray((values * 255).round().astype(np.uint8))
     if image.has_transparency_data:
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     converted = rotated or image.mode != "RGB" or image.size != (IMAGE_SIZE, IMAGE_SIZE)

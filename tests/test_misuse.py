@@ -910,9 +910,10 @@ def test_exif_orientation_is_applied_and_reported(tmp_path):
     assert top[0] > 200 and top[2] < 60 and bottom[2] > 200  # rotated clockwise: the stored left is now on top
 
 
-def test_16_bit_and_transparent_images_keep_what_they_show(tmp_path):
-    """PIL's convert("RGB") clips 16-bit greyscale to white above 255 and shows the colour stored under transparent
-    pixels; a 16-bit scan or a cut-out PNG would be predicted, and trained on, as something else. Each file below
+def test_16_bit_float_and_transparent_images_keep_what_they_show(tmp_path):
+    """PIL's convert("RGB") clips 16-bit greyscale to white above 255, rounds floating-point greyscale from 0 to 1
+    down to black, and shows the colour stored under transparent pixels; a 16-bit scan, a float TIFF or a cut-out PNG
+    would be predicted, and trained on, as something else. Each file below
     is written by PIL, read back through the decoder of training data and predict, and every pixel checked."""
     ramp = np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64  # 0 to 65472
     Image.fromarray(ramp).save(tmp_path / "scan16.png")
@@ -932,6 +933,14 @@ def test_16_bit_and_transparent_images_keep_what_they_show(tmp_path):
     assert (pixels[:, 1:8] == 255).all() and (pixels[:, 0] == 127).all()  # white behind, half of it through
     pixels, original = to_rgb32(tmp_path / "keyed.png")
     assert original == "RGB 32x32" and (pixels == 255).all()
+    Image.fromarray(ramp.astype(np.float32) / 65472).save(tmp_path / "float.tif")  # 0 to 1, as float images hold it
+    pixels, original = to_rgb32(tmp_path / "float.tif")
+    assert original == "F 32x32"
+    assert all((np.abs(channel.astype(int) - ramp / 65472 * 255) <= 0.5 + 1e-9).all() for channel in pixels)
+    for values in (ramp.astype(np.float32), np.full((32, 32), np.nan, np.float32)):  # 0 to 65472; not a number
+        Image.fromarray(values).save(tmp_path / "float.tif")
+        with pytest.raises(ValueError, match="floating-point image with values from (0 to 65472|nan to nan), where"):
+            to_rgb32(tmp_path / "float.tif")
 
 
 # 8. One line means one line.
