@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import evaluate
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -15,6 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from cifar_accel.progress import progress
+
+if TYPE_CHECKING:
+    import evaluate
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # A training batch of images and class labels -> (model inputs, loss targets), see transforms.TrainingTransform.

@@ -35,9 +35,9 @@ from cifar_accel.config import (
     read_config_file,
     resolve_mixed_precision,
 )
-from cifar_accel.data import GIT_LFS_FIX, IMAGE_SIZE, git_lfs_pointer, image_to_rgb32, to_rgb32
 from cifar_accel.engine import tta_logits
 from cifar_accel.errors import InputError, one_line, path_problem
+from cifar_accel.images import GIT_LFS_FIX, IMAGE_SIZE, git_lfs_pointer, image_to_rgb32, to_rgb32
 from cifar_accel.models import build_model
 from cifar_accel.outputs import (
     CONFIG_FILE,

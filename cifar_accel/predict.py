@@ -19,8 +19,8 @@ from accelerate import Accelerator
 from PIL import Image
 
 from cifar_accel.config import Precision
-from cifar_accel.data import to_rgb32
 from cifar_accel.errors import ArgumentParser, InputError, counted, image_path, one_line, run_cli, user_path
+from cifar_accel.images import to_rgb32
 from cifar_accel.inference import add_tta_flags, check_tta_flags, inference_precision, load_model
 from cifar_accel.precision import warn_if_not_in_effect
 from cifar_accel.processes import require_one_process

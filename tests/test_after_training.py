@@ -15,9 +15,10 @@ from PIL import Image
 
 from cifar_accel import compare, export, predict
 from cifar_accel import evaluate as evaluate_command
-from cifar_accel.data import image_to_rgb32, load_split, to_rgb32
+from cifar_accel.data import load_split
 from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_main
+from cifar_accel.images import image_to_rgb32, to_rgb32
 from cifar_accel.inference import load_model
 from cifar_accel.transforms import BatchTransform
 

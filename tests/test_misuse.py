@@ -29,8 +29,8 @@ from cifar_accel import compare, evaluate, predict
 from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
-from cifar_accel.data import to_rgb32
 from cifar_accel.errors import MAX_ERROR_CHARACTERS, InputError, RunFault, run_cli
+from cifar_accel.images import to_rgb32
 from cifar_accel.inference import load_model
 from cifar_accel.outputs import REPLACED_RUN, OutputDirLock, writable_output_dir
 from cifar_accel.state import TrainerState

@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from cifar_accel import evaluate, load_model, predict
 from cifar_accel.checkpoint import complete_checkpoints
 from cifar_accel.config import TrainConfig
-from cifar_accel.data import image_to_rgb32
 from cifar_accel.engine import training_step
 from cifar_accel.errors import InputError, run_cli
+from cifar_accel.images import image_to_rgb32
 from cifar_accel.inference import inference_precision
 from cifar_accel.models import build_model
 from cifar_accel.precision import hardware_advice, precision_report
