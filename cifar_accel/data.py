@@ -259,6 +259,13 @@ def load_raw(
             else ""
         )
         raise InputError(f"cannot load dataset '{dataset_name}': {err}{fix}") from None
+    check_splits(raw, dataset_name, splits, split_flag)
+    return raw
+
+
+def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str, ...], split_flag: str | None) -> None:
+    """``splits`` must be present in ``raw``, the dataset ``dataset_name``; ``split_flag``, where it chose them, is
+    the fix named when one is not."""
     for split in splits:
         if split not in raw:
             name = split.partition("[")[0]
@@ -273,7 +280,6 @@ def load_raw(
                 else f"add a '{split}' split (Hub layout: data/{split}-*.parquet; image folder: {split}/<class>/)"
             )
             raise InputError(f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join(raw)}); {fix}")
-    return raw
 
 
 IMAGE_SOURCE_DTYPES = ("string", "large_string", "binary", "large_binary")  # file paths or encoded bytes
@@ -572,25 +578,50 @@ def load_split(
     split_flag: str = "--split",
     dataset_flag: str = "--dataset_name",
     classes: list[str] | None = None,
+    run: TrainConfig | None = None,
 ) -> tuple[Split, list[str]]:
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
     and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
     ``classes``, the labels become indices of those instead: matched by name where both name their classes, taken as
-    they are where either has numbers."""
-    raw = load_raw(dataset_name, splits=(split,), split_flag=split_flag, dataset_flag=dataset_flag)
-    image_column, label_column = find_columns(raw[split].features, image_column, label_column)
+    they are where either has numbers. Given the ``run`` that trained it, 'validation' in a dataset without such a
+    split is the part of train that the run held out and validated on (``held_out_validation``)."""
+    raw = load_raw(dataset_name, splits=(), dataset_flag=dataset_flag)
+    held_out = split == "validation" and split not in raw and run is not None and run.val_ratio > 0
+    source = "train" if held_out else split
+    check_splits(raw, dataset_name, (source,), split_flag)
+    image_column, label_column = find_columns(raw[source].features, image_column, label_column)
     raw = named_classes(raw, label_column)
-    dataset = first_rows(raw[split], max_samples)
-    tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
-    if len(dataset) < len(raw[split]):
-        warn_if_classes_left_out(tensors.labels, label_values(raw[split], label_column), split, "--max_eval_samples")
-    feature = raw[split].features[label_column]
+    if held_out:
+        tensors = held_out_validation(raw["train"], image_column, label_column, run, max_samples, dataset_flag)
+    else:
+        dataset = first_rows(raw[split], max_samples)
+        tensors = decode_split(dataset, image_column, label_column, split, dataset_flag)
+        if len(dataset) < len(raw[split]):
+            every_label = label_values(raw[split], label_column)
+            warn_if_classes_left_out(tensors.labels, every_label, split, "--max_eval_samples")
+    feature = raw[source].features[label_column]
     if classes is None:
-        classes = class_names_of(raw[split], label_column)
+        classes = class_names_of(raw[source], label_column)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes), EVALUATE_UNLABELLED_FIX)
     return tensors, classes
+
+
+def held_out_validation(
+    train: datasets.Dataset,
+    image_column: str,
+    label_column: str,
+    run: TrainConfig,
+    max_samples: int | None,
+    dataset_flag: str,
+) -> Split:
+    """The validation images that ``run`` held out of the ``train`` split, in the order it validated on them: the
+    part ``split_indices`` gives for its --val_ratio and --seed, of its first --max_train_samples (decoded as
+    training decoded them, so from the datasets cache); the first ``max_samples`` of them where given."""
+    rows = first_rows(train, run.max_train_samples)
+    _, val_indices = split_indices(len(rows), run.val_ratio, run.seed)
+    return decode_split(rows, image_column, label_column, "train", dataset_flag).subset(val_indices[:max_samples])
 
 
 def load_images(

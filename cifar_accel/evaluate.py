@@ -61,7 +61,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--dataset_name", type=user_path, help="Hub id or local path; default: the dataset the run trained on."
     )
-    parser.add_argument("--split", type=non_empty, default="test", help="Dataset split to evaluate (default: test).")
+    parser.add_argument(
+        "--split",
+        type=non_empty,
+        default="test",
+        help="Dataset split to evaluate (default: test). 'validation', where the dataset has none, is the part of "
+        "train that the run held out and validated on (its --val_ratio and --seed).",
+    )
     parser.add_argument(
         "--image_column_name", type=non_empty, help="Image column; default: the run's, else found by type."
     )
@@ -169,6 +175,7 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
             args.label_column_name or run.label_column_name,
             args.max_eval_samples,
             classes=trained.class_names,
+            run=run,
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))

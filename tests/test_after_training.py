@@ -15,7 +15,7 @@ from PIL import Image
 
 from cifar_accel import compare, export, predict
 from cifar_accel import evaluate as evaluate_command
-from cifar_accel.data import load_split
+from cifar_accel.data import load_split, split_indices
 from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_main
 from cifar_accel.images import image_to_rgb32, to_rgb32
@@ -52,6 +52,28 @@ def test_evaluating_the_final_model_reproduces_the_runs_test_accuracy(trained_ru
     assert "overall accuracy" in proc.stdout and "confusion matrix" in proc.stdout
     with Image.open(trained_run / "eval_test" / "confusion_matrix.png") as png:
         assert png.format == "PNG" and png.width >= 600 and png.height >= 500
+
+
+def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validation_accuracy(
+    trained_run, tiny_dataset, cli_env, tmp_path
+):
+    """A run on a dataset without a validation split validates on a seeded part of train and reports its best
+    accuracy there, which `--split validation` could not check: "has no 'validation' split". It now evaluates those
+    same images, in the same order: from the final weights (the best ones), the same accuracy and the same classes."""
+    train_labels = datasets.load_dataset(str(tiny_dataset))["train"]["label"]
+    _, held_out = split_indices(len(train_labels), 0.1, 42)  # the run's --val_ratio and --seed, its defaults
+    assert (tiny_dataset / "data").is_dir() and len(held_out) == 33
+    for first, expected in ((None, read_results(trained_run)["best_val_accuracy"]), (10, None)):
+        out = tmp_path / f"first_{first}"
+        extra = ["--max_eval_samples", str(first)] if first else []
+        proc = evaluate(trained_run, cli_env, "--split", "validation", "--output_dir", str(out), *extra)
+        assert proc.returncode == 0, proc.stderr
+        metrics = json.loads((out / "metrics.json").read_text())
+        labels = [train_labels[i] for i in held_out[:first].tolist()]
+        assert metrics["split"] == "validation" and metrics["samples"] == len(labels)
+        assert [row["total"] for row in metrics["per_class"]] == [labels.count(c) for c in range(10)]
+        if expected is not None:
+            assert metrics["accuracy"] == expected
 
 
 def test_evaluate_takes_a_checkpoint_or_the_weights_file_and_bf16(trained_run, cli_env, tmp_path):
