@@ -583,10 +583,15 @@ def load_split(
     """One split of a dataset as tensors (for evaluation), with the class names of its label column; ``split_flag``
     and ``dataset_flag`` are the flags that named the split and the dataset (evaluate's by default). Given a model's
     ``classes``, the labels become indices of those instead: matched by name where both name their classes, taken as
-    they are where either has numbers. Given the ``run`` that trained it, 'validation' in a dataset without such a
-    split is the part of train that the run held out and validated on (``held_out_validation``)."""
+    they are where either has numbers. Given the ``run`` that trained on this dataset, 'validation' in a dataset
+    without such a split is the part of train that the run held out and validated on (``held_out_validation``)."""
     raw = load_raw(dataset_name, splits=(), dataset_flag=dataset_flag)
-    held_out = split == "validation" and split not in raw and run is not None and run.val_ratio > 0
+    held_out = split == "validation" and split not in raw and run is not None
+    if held_out and run.val_ratio == 0:
+        raise InputError(
+            f"dataset '{dataset_name}' has no 'validation' split, and the run held none out of train (--val_ratio 0); "
+            f"pick one of its splits ({', '.join(raw)}) with {split_flag}"
+        )
     source = "train" if held_out else split
     check_splits(raw, dataset_name, (source,), split_flag)
     image_column, label_column = find_columns(raw[source].features, image_column, label_column)

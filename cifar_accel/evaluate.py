@@ -65,8 +65,8 @@ def build_parser() -> ArgumentParser:
         "--split",
         type=non_empty,
         default="test",
-        help="Dataset split to evaluate (default: test). 'validation', where the dataset has none, is the part of "
-        "train that the run held out and validated on (its --val_ratio and --seed).",
+        help="Dataset split to evaluate (default: test). 'validation', where the run's dataset has none, is the part "
+        "of train that the run held out and validated on (its --val_ratio and --seed).",
     )
     parser.add_argument(
         "--image_column_name", type=non_empty, help="Image column; default: the run's, else found by type."
@@ -167,15 +167,16 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     check_joined(accelerator, "evaluate")
     if asked:
         warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
+    dataset = dataset_to_read(args.dataset_name, trained, "--dataset_name")
     with accelerator.main_process_first():
         split, _ = load_split(
-            dataset_to_read(args.dataset_name, trained, "--dataset_name"),
+            dataset,
             args.split,
             args.image_column_name or run.image_column_name,
             args.label_column_name or run.label_column_name,
             args.max_eval_samples,
             classes=trained.class_names,
-            run=run,
+            run=run if dataset == run.dataset_name else None,  # its validation images are a part of this one's train
         )
     batch_size = args.per_device_eval_batch_size or run.per_device_eval_batch_size
     model, loader = accelerator.prepare(trained.model, make_loader(split, batch_size, train=False))
@@ -184,7 +185,7 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     report.update(
         model=str(trained.weights),
         weights_sha256=file_sha256(trained.weights),
-        dataset=args.dataset_name or run.dataset_name,
+        dataset=dataset,
         split=args.split,
         mixed_precision=effective_precision(accelerator),
         tta=args.tta,

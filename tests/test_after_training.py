@@ -74,6 +74,15 @@ def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validati
         assert [row["total"] for row in metrics["per_class"]] == [labels.count(c) for c in range(10)]
         if expected is not None:
             assert metrics["accuracy"] == expected
+    shutil.copytree(tiny_dataset, tmp_path / "other")  # another dataset's train: the run held out nothing of it
+    proc = evaluate(trained_run, cli_env, "--split", "validation", "--dataset_name", str(tmp_path / "other"))
+    assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tmp_path / 'other'}' has no 'validation' split "
+                                                 "(splits: train, test); pick one of them with --split\n")  # fmt: skip
+    assert train_in_process(tiny_args(tiny_dataset, tmp_path / "all", "--val_ratio", "0")) == 0
+    proc = evaluate(tmp_path / "all", cli_env, "--split", "validation")
+    assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tiny_dataset}' has no 'validation' split, and the "
+                                                 "run held none out of train (--val_ratio 0); pick one of its splits "
+                                                 "(train, test) with --split\n")  # fmt: skip
 
 
 def test_evaluate_takes_a_checkpoint_or_the_weights_file_and_bf16(trained_run, cli_env, tmp_path):
