@@ -640,8 +640,8 @@ def test_readers_treat_a_damaged_file_as_unfinished_or_refuse_it(finished_run, t
     assert f"output directory '{tmp_path / 'a_file'}' is a file; choose another --output_dir" in capsys.readouterr().err
     # A split the dataset lacks is refused with the flag to fix, and the folders made for the report go again.
     assert run_cli(evaluate.main, ["--model", str(run), "--output_dir", str(tmp_path / "new" / "eval"), "--split",
-                                   "validation"]) == 2  # fmt: skip
-    assert "no 'validation' split (splits: train, test); pick one of them with --split" in capsys.readouterr().err
+                                   "valid"]) == 2  # fmt: skip
+    assert "no 'valid' split (splits: train, test); pick one of them with --split" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 
