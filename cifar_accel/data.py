@@ -623,10 +623,12 @@ def held_out_validation(
 ) -> Split:
     """The validation images that ``run`` held out of the ``train`` split, in the order it validated on them: the
     part ``split_indices`` gives for its --val_ratio and --seed, of its first --max_train_samples (decoded as
-    training decoded them, so from the datasets cache); the first ``max_samples`` of them where given."""
+    training decoded them, so from the datasets cache); the first ``max_samples`` of them where given, else the
+    first --max_eval_samples of the run's, as it validated."""
     rows = first_rows(train, run.max_train_samples)
     _, val_indices = split_indices(len(rows), run.val_ratio, run.seed)
-    return decode_split(rows, image_column, label_column, "train", dataset_flag).subset(val_indices[:max_samples])
+    first = max_samples if max_samples is not None else run.max_eval_samples
+    return decode_split(rows, image_column, label_column, "train", dataset_flag).subset(val_indices[:first])
 
 
 def load_images(

@@ -78,6 +78,10 @@ def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validati
     proc = evaluate(trained_run, cli_env, "--split", "validation", "--dataset_name", str(tmp_path / "other"))
     assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tmp_path / 'other'}' has no 'validation' split "
                                                  "(splits: train, test); pick one of them with --split\n")  # fmt: skip
+    assert train_in_process(tiny_args(tiny_dataset, tmp_path / "ten", "--max_eval_samples", "10")) == 0
+    assert evaluate(tmp_path / "ten", cli_env, "--split", "validation").returncode == 0  # as many as it validated on
+    metrics = json.loads((tmp_path / "ten" / "eval_validation" / "metrics.json").read_text())
+    assert (metrics["samples"], metrics["accuracy"]) == (10, read_results(tmp_path / "ten")["best_val_accuracy"])
     assert train_in_process(tiny_args(tiny_dataset, tmp_path / "all", "--val_ratio", "0")) == 0
     proc = evaluate(tmp_path / "all", cli_env, "--split", "validation")
     assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tiny_dataset}' has no 'validation' split, and the "
