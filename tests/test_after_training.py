@@ -55,7 +55,7 @@ def test_evaluating_the_final_model_reproduces_the_runs_test_accuracy(trained_ru
 
 
 def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validation_accuracy(
-    trained_run, tiny_dataset, cli_env, tmp_path
+    trained_run, tiny_dataset, cli_env, tmp_path, capsys
 ):
     """A run on a dataset without a validation split validates on a seeded part of train and reports its best
     accuracy there, which `--split validation` could not check: "has no 'validation' split". It now evaluates those
@@ -74,19 +74,23 @@ def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validati
         assert [row["total"] for row in metrics["per_class"]] == [labels.count(c) for c in range(10)]
         if expected is not None:
             assert metrics["accuracy"] == expected
+    # The rest in this process, as the command's main: the same code from its flags to its one line and exit code.
+    capsys.readouterr()
     shutil.copytree(tiny_dataset, tmp_path / "other")  # another dataset's train: the run held out nothing of it
-    proc = evaluate(trained_run, cli_env, "--split", "validation", "--dataset_name", str(tmp_path / "other"))
-    assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tmp_path / 'other'}' has no 'validation' split "
-                                                 "(splits: train, test); pick one of them with --split\n")  # fmt: skip
+    argv = ["--model", str(trained_run), "--split", "validation", "--dataset_name", str(tmp_path / "other")]
+    assert run_main(evaluate_command.main, argv) == 2
+    assert capsys.readouterr().err == (f"error: dataset '{tmp_path / 'other'}' has no 'validation' split (splits: "
+                                       "train, test); pick one of them with --split\n")  # fmt: skip
     assert train_in_process(tiny_args(tiny_dataset, tmp_path / "ten", "--max_eval_samples", "10")) == 0
-    assert evaluate(tmp_path / "ten", cli_env, "--split", "validation").returncode == 0  # as many as it validated on
-    metrics = json.loads((tmp_path / "ten" / "eval_validation" / "metrics.json").read_text())
+    assert run_main(evaluate_command.main, ["--model", str(tmp_path / "ten"), "--split", "validation"]) == 0
+    metrics = json.loads((tmp_path / "ten" / "eval_validation" / "metrics.json").read_text())  # as many as it validated
     assert (metrics["samples"], metrics["accuracy"]) == (10, read_results(tmp_path / "ten")["best_val_accuracy"])
     assert train_in_process(tiny_args(tiny_dataset, tmp_path / "all", "--val_ratio", "0")) == 0
-    proc = evaluate(tmp_path / "all", cli_env, "--split", "validation")
-    assert (proc.returncode, proc.stderr) == (2, f"error: dataset '{tiny_dataset}' has no 'validation' split, and the "
-                                                 "run held none out of train (--val_ratio 0); pick one of its splits "
-                                                 "(train, test) with --split\n")  # fmt: skip
+    capsys.readouterr()
+    assert run_main(evaluate_command.main, ["--model", str(tmp_path / "all"), "--split", "validation"]) == 2
+    assert capsys.readouterr().err == (f"error: dataset '{tiny_dataset}' has no 'validation' split, and the run held "
+                                       "none out of train (--val_ratio 0); pick one of its splits (train, test) with "
+                                       "--split\n")  # fmt: skip
 
 
 def test_evaluate_takes_a_checkpoint_or_the_weights_file_and_bf16(trained_run, cli_env, tmp_path):
