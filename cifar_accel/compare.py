@@ -53,9 +53,9 @@ from cifar_accel.errors import (
     RunFault,
     Stopped,
     counted,
+    exit_command,
     one_line,
     positive_int,
-    run_cli,
     user_path,
 )
 from cifar_accel.outputs import (
@@ -665,7 +665,7 @@ def compare(
 
 
 def cli() -> None:
-    sys.exit(run_cli(main))
+    exit_command(main)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from cifar_accel.config import Precision, check_field
 from cifar_accel.data import load_split, make_loader
 from cifar_accel.engine import predict
-from cifar_accel.errors import ArgumentParser, counted, non_empty, run_cli, user_path
+from cifar_accel.errors import ArgumentParser, counted, exit_command, non_empty, user_path
 from cifar_accel.inference import (
     TrainedModel,
     add_tta_flags,
@@ -222,7 +222,7 @@ def warn_of_earlier_evaluations(run_dir: Path) -> None:
 
 
 def cli() -> None:
-    sys.exit(run_cli(main))
+    exit_command(main)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,16 @@ from torch import nn
 
 from cifar_accel.card import write_model_card
 from cifar_accel.data import load_images
-from cifar_accel.errors import ArgumentParser, InputError, RunFault, counted, non_empty, one_line, run_cli, user_path
+from cifar_accel.errors import (
+    ArgumentParser,
+    InputError,
+    RunFault,
+    counted,
+    exit_command,
+    non_empty,
+    one_line,
+    user_path,
+)
 from cifar_accel.inference import TrainedModel, dataset_to_read, load_model, output_beside
 from cifar_accel.outputs import (
     EXPORT_FILES,
@@ -291,7 +300,7 @@ def update_model_card(trained: TrainedModel, path: Path) -> None:
 
 
 def cli() -> None:
-    sys.exit(run_cli(main))
+    exit_command(main)
 
 
 if __name__ == "__main__":

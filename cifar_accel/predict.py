@@ -19,7 +19,15 @@ from accelerate import Accelerator
 from PIL import Image
 
 from cifar_accel.config import Precision
-from cifar_accel.errors import ArgumentParser, InputError, counted, image_path, one_line, run_cli, user_path
+from cifar_accel.errors import (
+    ArgumentParser,
+    InputError,
+    counted,
+    exit_command,
+    image_path,
+    one_line,
+    user_path,
+)
 from cifar_accel.images import to_rgb32
 from cifar_accel.inference import add_tta_flags, check_tta_flags, inference_precision, load_model
 from cifar_accel.precision import warn_if_not_in_effect
@@ -180,7 +188,7 @@ def one_line_name(file: Path) -> str:
 
 
 def cli() -> None:
-    sys.exit(run_cli(main))
+    exit_command(main)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from cifar_accel.checkpoint import (
 from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_config
 from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
-from cifar_accel.errors import InputError, RunFault, Stopped, counted, one_line, run_cli
+from cifar_accel.errors import InputError, RunFault, Stopped, counted, exit_command, one_line
 from cifar_accel.evaluate import warn_of_earlier_evaluations
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
@@ -542,7 +542,7 @@ def main(
 
 
 def cli() -> None:
-    sys.exit(run_cli(main))
+    exit_command(main)
 
 
 if __name__ == "__main__":
