@@ -5,12 +5,12 @@ process holds after one epoch (parameters, and BatchNorm buffers, which DDP broa
 """
 
 import os
-import sys
 
 from safetensors.torch import save_file
 
 from cifar_accel import train
 from cifar_accel.bookkeeping import RunBookkeeper
+from cifar_accel.errors import exit_command
 
 
 class SaveEachRanksWeights(RunBookkeeper):
@@ -24,4 +24,4 @@ class SaveEachRanksWeights(RunBookkeeper):
         return super().end_epoch(train, val)
 
 
-sys.exit(train.run_cli(lambda argv: train.main(argv, bookkeeper_type=SaveEachRanksWeights)))
+exit_command(lambda argv: train.main(argv, bookkeeper_type=SaveEachRanksWeights))
