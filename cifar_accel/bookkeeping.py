@@ -203,8 +203,9 @@ class RunBookkeeper:
         return {"loss": loss_sum / seen, "accuracy": correct / seen, "images": int(seen), "seconds": seconds}
 
     def end_epoch(self, train: dict[str, float], val: dict[str, float] | None) -> EpochRecord:
-        """Record and log the epoch (``val`` is None without validation), save a checkpoint, honour a stop
-        request."""
+        """Record and log the epoch (``val`` is None without validation), save a checkpoint, and honour a stop
+        request where another epoch follows; after the run's last one the request waits until the final test and
+        export are done, as one that comes during them does."""
         self.check_finite()
         record = EpochRecord(
             epoch=self.state.epoch + 1,
@@ -224,9 +225,14 @@ class RunBookkeeper:
         self.state.record_epoch(record)
         log_epoch(self.run.accelerator, record, self.state.global_step)
         self.save()
-        if self.stop.requested(self.run.accelerator):
+        if self.trains_on() and self.stop.requested(self.run.accelerator):
             raise self.stopped()
         return record
+
+    def trains_on(self) -> bool:
+        """Whether an epoch follows the one just recorded: the epoch loop's test, without its log line."""
+        patience = self.run.config.early_stopping_patience
+        return self.state.epoch < self.run.num_epochs and not self.state.should_stop_early(patience)
 
     def check_finite(self) -> None:
         if self.guard is not None:

@@ -279,7 +279,7 @@ def train_run(
     lines = proc.stderr.strip().splitlines() if proc else []
     if proc is None or (processes.signal_number and proc.returncode > 128):  # stopped as asked, with its own line
         logger.info(f"{run_dir.name}: " + (one_line(lines[-1]) if lines else "not started"))
-        # A stop during the final test and export lets them finish: a results.json other than the one the run
+        # A stop after the run's last optimizer step lets it finish: a results.json other than the one the run
         # started with (a finished run's, which it was extending) says the run is done.
         written = finished_results(run_dir) if proc else None
         return (written if written != results else None), True

@@ -3,8 +3,8 @@ whenever it arrives, or the reader of stdout going away (``| head``), taken as S
 
 While a run is being set up (loading and decoding data, building the model) nothing of it is written yet, so a
 signal stops it at once. Once it writes, a signal is recorded instead and the run stops at the next safe point:
-after the current optimizer step with a checkpoint, or after the final test and export. The first signal names
-the stop; a second SIGINT stops at once.
+after the current optimizer step with a checkpoint, or, where that step was the run's last, after the final test
+and export. The first signal names the stop; a second SIGINT stops at once.
 """
 
 from __future__ import annotations

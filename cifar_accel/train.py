@@ -491,7 +491,8 @@ def run_training(
     """Set up the run, train it epoch by epoch, then test and export; returns what results.json holds.
 
     A SIGINT, SIGTERM or SIGHUP stops the set-up at once, since nothing is written yet; from the first write on, it
-    stops the run after the current optimizer step with a checkpoint, or after the final test and export.
+    stops the run after the current optimizer step with a checkpoint, or, once the last one is done, after the final
+    test and export.
     """
     with StopRequest() as stop:
         trackers = requested_trackers(config.report_to)
@@ -517,7 +518,7 @@ def run_training(
                     logger.info(f"pushed {output_dir} to the Hub: {push_to_hub(config, output_dir)}")
                 if stopping:
                     raise Stopped(
-                        f"stopped by {stop.name} during the final test and export, which were completed first: "
+                        f"stopped by {stop.name} as the run was finishing, which it did first: "
                         f"results.json and model.safetensors are in {output_dir}",
                         exit_code=stop.exit_code,
                     )

@@ -1125,21 +1125,46 @@ def test_a_run_whose_folder_is_deleted_under_it_names_the_file_and_what_is_left(
         assert train_here([*args, "--resume_from_checkpoint", "latest"]).returncode == 0
 
 
-class SignalAfterTheLastEpoch(RunBookkeeper):
+class SignalAsTheLastEpochEnds(RunBookkeeper):
+    """SIGTERM at the end of the run's last epoch: after its checkpoint (as the final test starts) or before it
+    (after the last validation); or before the checkpoint of an epoch that early stopping makes the last (its
+    validation accuracy reported as 0, no better than the first epoch's, with --early_stopping_patience 1)."""
+
+    when = "after its checkpoint"
+
     def end_epoch(self, train: dict, val: dict):
+        if self.when == "at an early stop" and self.state.epoch == 1:
+            val = {**val, "accuracy": 0.0}
+        last = self.state.epoch + 1 == (2 if self.when == "at an early stop" else self.run.num_epochs)
+        if last and self.when != "after its checkpoint":
+            os.kill(os.getpid(), signal.SIGTERM)
         record = super().end_epoch(train, val)
-        if record.epoch == self.run.config.num_train_epochs:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives as the final test starts
+        if last and self.when == "after its checkpoint":
+            os.kill(os.getpid(), signal.SIGTERM)
         return record
 
 
-def test_a_signal_during_the_final_test_lets_it_finish_then_exits_with_the_signals_code(tiny_dataset, train_here,
-                                                                                        tmp_path):  # fmt: skip
+@pytest.mark.parametrize("when", ["after its checkpoint", "before its checkpoint", "at an early stop"])
+def test_a_signal_after_the_last_optimizer_step_lets_the_run_finish_then_exits_with_the_signals_code(
+    tiny_dataset, train_here, tmp_path, monkeypatch, when
+):
+    """All that a resume from the last epoch's checkpoint would do is the final test and export, so a stop
+    requested after the last optimizer step waits for them, wherever it comes: a test that signalled a run once its
+    last checkpoint was complete found it stopped there now and then, when the signal came before its stop check."""
+    monkeypatch.setattr(SignalAsTheLastEpochEnds, "when", when)
     out = tmp_path / "run"
-    proc = train_here(tiny_args(tiny_dataset, out), bookkeeper_type=SignalAfterTheLastEpoch)
+    early_stop = when == "at an early stop"
+    args = tiny_args(tiny_dataset, out, *(["--num_train_epochs", "4", "--early_stopping_patience", "1"] if early_stop
+                                          else ["--num_train_epochs", "2"]))  # fmt: skip
+    proc = train_here(args, bookkeeper_type=SignalAsTheLastEpochEnds)
     assert proc.returncode == 143
-    assert one_error_line(proc).startswith("stopped by SIGTERM during the final test and export, which were completed")
-    assert read_results(out)["epochs_completed"] == 1 and (out / "model.safetensors").is_file()
+    assert one_error_line(proc) == (
+        f"stopped by SIGTERM as the run was finishing, which it did first: results.json and model.safetensors are in "
+        f"{out}"
+    )
+    results = read_results(out)
+    assert results["epochs_completed"] == 2 and results["stopped_early"] == early_stop
+    assert (out / "model.safetensors").is_file()
 
 
 # 10. The global batch is what really happens.
