@@ -9,8 +9,6 @@ validation split, evaluation and outputs) with only the training input replaced 
 
 from __future__ import annotations
 
-import sys
-
 import datasets
 import torch
 import torchvision.transforms as T
@@ -19,7 +17,7 @@ from torch.utils.data import DataLoader
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import CifarData, find_columns, first_rows, load_raw, split_indices
 from cifar_accel.engine import TrainTransform
-from cifar_accel.errors import run_cli
+from cifar_accel.errors import exit_command
 from cifar_accel.train import main
 from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_STD
 
@@ -67,4 +65,4 @@ def chapter_pipeline(config: TrainConfig, data: CifarData, device: torch.device)
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(lambda argv: main(argv, chapter_pipeline)))
+    exit_command(lambda argv: main(argv, chapter_pipeline))

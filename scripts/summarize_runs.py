@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cifar_accel.errors import run_cli
+from cifar_accel.errors import exit_command
 from cifar_accel.state import epochs_text, read_results
 
 
@@ -42,4 +41,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_command(main)
