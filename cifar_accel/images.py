@@ -74,7 +74,8 @@ def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
 
     Three conversions are not PIL's ``convert("RGB")``, which keeps a pixel's number and drops its transparency:
     16-bit greyscale (modes I;16 and I, as PIL opens 16-bit PNG, TIFF and PGM files) keeps its high byte, as PIL
-    reads 16-bit colour files, where PIL would clip every value above 255 to white; floating-point greyscale (mode
+    reads 16-bit colour files, where PIL would clip every value above 255 to white (a 32-bit integer image, mode I
+    too, with values outside 0-65535 is refused); floating-point greyscale (mode
     F, 32-bit TIFF) is read as intensities from 0 to 1, as Hugging Face's image processors read float images, where
     PIL would round them to black (values outside that range are refused: what they mean is not known); and
     transparent pixels are laid over white, as those processors do, where PIL would show the colour stored under
@@ -85,7 +86,13 @@ def image_to_rgb32(image: Image.Image) -> tuple[np.ndarray, str | None]:
         image = ImageOps.exif_transpose(image)
         original += ", EXIF-rotated"
     if image.mode == "I" or image.mode.startswith("I;16"):
-        image = Image.fromarray((np.asarray(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8))
+        values = np.asarray(image)
+        if values.min() < 0 or values.max() > 65535:  # a 32-bit integer image (mode I) can hold them
+            raise ValueError(
+                f"an integer image with values from {values.min()} to {values.max()}, where 16-bit intensities from "
+                "0 to 65535 are read; save it with 8 or 16 bits per channel"
+            )
+        image = Image.fromarray((values >> 8).astype(np.uint8))
     elif image.mode == "F":
         values = np.asarray(image)
         if not (values.min() >= 0 and values.max() <= 1):  # NaN fails both

@@ -941,6 +941,13 @@ def test_16_bit_float_and_transparent_images_keep_what_they_show(tmp_path):
         Image.fromarray(values).save(tmp_path / "float.tif")
         with pytest.raises(ValueError, match="floating-point image with values from (0 to 65472|nan to nan), where"):
             to_rgb32(tmp_path / "float.tif")
+    for low, high in ((0, 70000), (-1, 255)):  # a 32-bit integer TIFF (mode I): not 16-bit intensities
+        Image.fromarray(np.linspace(low, high, 32 * 32).astype(np.int32).reshape(32, 32)).save(tmp_path / "int.tif")
+        with pytest.raises(ValueError, match=f"integer image with values from {low} to {high}, where 16-bit"):
+            to_rgb32(tmp_path / "int.tif")
+    Image.fromarray(ramp.astype(np.int32)).save(tmp_path / "int.tif")
+    pixels, original = to_rgb32(tmp_path / "int.tif")
+    assert original == "I 32x32" and all((channel == ramp >> 8).all() for channel in pixels)
 
 
 # 8. One line means one line.
