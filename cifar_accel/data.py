@@ -245,7 +245,8 @@ def load_raw(
                 f"cannot load dataset '{dataset_name}': {pointer} is a Git LFS pointer, not the data it stands for; "
                 f"{GIT_LFS_FIX}"
             ) from None
-        if not isinstance(err, (FileNotFoundError, ValueError)):
+        generation = isinstance(err, datasets.exceptions.DatasetGenerationError) and not cause_of(err, OSError)
+        if not generation and not isinstance(err, (FileNotFoundError, ValueError)):
             raise  # a fault of the machine (an I/O error) or of `datasets`, reported as such
         if looks_like_path(dataset_name) and (hub_copy := pickled_cifar(Path(path))):
             raise InputError(
@@ -258,9 +259,19 @@ def load_raw(
             if looks_like_path(dataset_name)
             else ""
         )
-        raise InputError(f"cannot load dataset '{dataset_name}': {err}{fix}") from None
+        reason = f"datasets could not read its files ({generation_failure(err)})" if generation else err
+        raise InputError(f"cannot load dataset '{dataset_name}': {reason}{fix}") from None
     check_splits(raw, dataset_name, splits, split_flag)
     return raw
+
+
+def generation_failure(err: datasets.exceptions.DatasetGenerationError) -> str:
+    """What a `datasets` builder failed on as it read a dataset's files, which its error wraps: files whose columns
+    differ, or the error of the reader (a CSV parser's, say)."""
+    if columns := cause_of(err, datasets.table.CastError):
+        return f"not all of them have the same columns: {columns.details().rstrip('.')}"
+    cause = err.__cause__ or err.__context__ or err
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else 'no message'}"
 
 
 def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str, ...], split_flag: str | None) -> None:

@@ -235,6 +235,43 @@ def test_a_folder_without_data_files_is_named_with_the_layouts_read(tmp_path):
     )
 
 
+def write_files_that_differ(root, kind: str) -> None:
+    """A folder whose files `datasets` picks a reader for and then fails on."""
+    root.mkdir()
+    if kind == "parquet-columns":  # a shard of train written with its image column named otherwise
+        (root / "data").mkdir()
+        good_split().to_parquet(root / "data" / "train-00000-of-00002.parquet")
+        good_split().rename_column("img", "picture").to_parquet(root / "data" / "train-00001-of-00002.parquet")
+        good_split().to_parquet(root / "data" / "test-00000-of-00001.parquet")
+    elif kind == "csv":
+        for split in ("train", "test"):
+            (root / f"{split}.csv").write_text('img,label\nx.png,1\ny.png,2,3,4\n"unterminated\n')
+    else:  # a run's output folder given as the dataset: JSON files with other keys
+        (root / "results.json").write_text('{"test_accuracy": 0.5}')
+        (root / "labels.json").write_text('{"class_names": ["cat"]}')
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("parquet-columns", "not all of them have the same columns: there are 1 new columns ({'picture'}) and 1 "
+         "missing columns ({'img'})"),
+        ("csv", "ParserError: Error tokenizing data. C error: Expected 2 fields in line 3, saw 4"),
+        ("json-keys", "not all of them have the same columns: there are 1 new columns ({'test_accuracy'})"),
+    ],
+)  # fmt: skip
+def test_files_that_datasets_cannot_read_are_input_errors_with_their_reason(tmp_path, kind, reason):
+    """`datasets` reports them as a DatasetGenerationError, whose own message says only that an error occurred
+    ("while generating the dataset"), and the run failed with exit code 1 as if the machine had."""
+    write_files_that_differ(tmp_path / kind, kind)
+    with pytest.raises(InputError) as refused:
+        load_data(config_for(tmp_path / kind))
+    assert str(refused.value) == (
+        f"cannot load dataset '{tmp_path / kind}': datasets could not read its files ({reason}); pass a folder that "
+        "datasets.load_dataset reads (Hub layout: data/train-*.parquet; image folder: train/<class>/)"
+    )
+
+
 @pytest.mark.parametrize("below", ["cache", "deeper/cache"])  # the cache, or a folder above it, cannot be made
 def test_a_datasets_cache_that_cannot_be_written_is_named_with_its_fix(tmp_path, monkeypatch, below):
     (tmp_path / "a_file").write_text("")
