@@ -294,6 +294,20 @@ def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str
 
 
 IMAGE_SOURCE_DTYPES = ("string", "large_string", "binary", "large_binary")  # file paths or encoded bytes
+IMAGE_STORAGE = {"bytes": ("binary", "large_binary"), "path": ("string", "large_string")}
+
+
+def holds_images(feature: object) -> bool:
+    """Whether a column is an Image, or the struct of encoded bytes and file path that `datasets` stores one as:
+    what a parquet file written without `datasets`' metadata (by pandas or pyarrow) holds, which it reads as a
+    struct."""
+    if isinstance(feature, datasets.Image):
+        return True
+    return (
+        isinstance(feature, dict)
+        and bool(feature)
+        and all(getattr(feature[key], "dtype", None) in IMAGE_STORAGE.get(key, ()) for key in feature)
+    )
 
 
 def find_columns(features: datasets.Features, image_column: str | None, label_column: str | None) -> tuple[str, str]:
@@ -330,15 +344,15 @@ def find_image_column(features: datasets.Features, image_column: str | None) -> 
     """The image column's name: as given, or found from the feature types."""
     names = ", ".join(features)
     if image_column is None:
-        image_column = next((k for k, v in features.items() if isinstance(v, datasets.Image)), None)
+        image_column = next((k for k, v in features.items() if holds_images(v)), None)
         if image_column is None:
             raise InputError(f"no image column found (columns: {names}); name it with --image_column_name")
     elif image_column not in features:
         raise InputError(f"image column '{image_column}' not found (columns: {names}); fix --image_column_name")
     feature = features[image_column]
-    if not isinstance(feature, datasets.Image) and getattr(feature, "dtype", None) not in IMAGE_SOURCE_DTYPES:
+    if not holds_images(feature) and getattr(feature, "dtype", None) not in IMAGE_SOURCE_DTYPES:
         held = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
-        images = [k for k, v in features.items() if isinstance(v, datasets.Image)]
+        images = [k for k, v in features.items() if holds_images(v)]
         raise InputError(
             f"image column '{image_column}' holds {held}, not images (Image columns: {', '.join(images) or 'none'}); "
             "fix --image_column_name"
@@ -488,9 +502,12 @@ def choose_normalization(config: TrainConfig, train: Split, class_names: list[st
     return CIFAR10_NORMALIZATION if cifar10 else computed_normalization(train, config.dataset_name)
 
 
-def class_names_of(split: datasets.Dataset, label_column: str) -> list[str]:
+MAX_NUMBERED_CLASSES = 100_000  # ImageNet-21k has 21,841; a larger label is an id or a value, not a class number
+
+
+def class_names_of(split: datasets.Dataset, label_column: str, split_name: str) -> list[str]:
     """Names from a ClassLabel column, else the label numbers 0..max of the whole split (its first rows may not hold
-    the largest)."""
+    the largest; none where no label is 0 or more), at most ``MAX_NUMBERED_CLASSES`` of them."""
     feature = split.features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         for index, name in enumerate(feature.names):
@@ -501,7 +518,15 @@ def class_names_of(split: datasets.Dataset, label_column: str) -> list[str]:
                     "predictions and model card show each class on one line: rename it in the dataset"
                 )
         return list(feature.names)
-    return numbered(int(max(label for label in label_values(split, label_column) if label is not None)) + 1)
+    labels = label_values(split, label_column)
+    top = max((label for label in labels if label is not None), default=-1)
+    if top >= MAX_NUMBERED_CLASSES:
+        raise InputError(
+            f"{split_name} label {top} at index {labels.index(top)} (column '{label_column}') is above "
+            f"{MAX_NUMBERED_CLASSES - 1:,}, the largest class number taken (an id, not a class?); fix that row, or "
+            "name the column of class numbers with --label_column_name"
+        )
+    return numbered(int(top) + 1)
 
 
 def label_values(dataset: datasets.Dataset, label_column: str) -> list:
@@ -540,6 +565,11 @@ def check_labels(split_name: str, split: Split, num_classes: int, unlabelled_fix
             raise InputError(
                 f"{split_name} label at index {index} is missing (-1, datasets' mark for a missing label); label "
                 "that row, or drop the rows without labels"
+            )
+        if label < 0:
+            raise InputError(
+                f"{split_name} label {label} at index {index} is below 0, where class numbers start; fix the labels or "
+                "--label_column_name"
             )
         raise InputError(
             f"{split_name} label {label} at index {index} is outside 0..{num_classes - 1}; "
@@ -617,7 +647,7 @@ def load_split(
             warn_if_classes_left_out(tensors.labels, every_label, split, "--max_eval_samples")
     feature = raw[source].features[label_column]
     if classes is None:
-        classes = class_names_of(raw[source], label_column)
+        classes = class_names_of(raw[source], label_column, source)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes), EVALUATE_UNLABELLED_FIX)
@@ -694,13 +724,13 @@ def load_data(config: TrainConfig) -> CifarData:
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 
-    class_names = class_names_of(raw["train"], label_column)
+    class_names = class_names_of(raw["train"], label_column, "train")
+    check_labels("train", full_train, len(class_names))  # first: no label may be 0 or more, and no class numbered
     if len(class_names) < 2:
         raise InputError(
             f"dataset '{config.dataset_name}' has one class ({class_names[0]!r}, label column '{label_column}'), and "
             "a classifier needs two or more; check the labels, or name another column with --label_column_name"
         )
-    check_labels("train", full_train, len(class_names))
     check_labels("test", test, len(class_names))
     every_label = label_values(raw["train"], label_column)
     if len(train_raw) < len(raw["train"]):

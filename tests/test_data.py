@@ -8,6 +8,8 @@ import shutil
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
@@ -233,6 +235,28 @@ def test_a_folder_without_data_files_is_named_with_the_layouts_read(tmp_path):
         "; pass a folder that datasets.load_dataset reads (Hub layout: data/train-*.parquet; image folder: "
         "train/<class>/)"
     )
+
+
+def test_parquet_written_without_datasets_metadata_is_read_as_the_same_images(tmp_path):
+    """pandas or pyarrow write an image column as the struct of bytes and path that `datasets` stores, without the
+    metadata that names it an Image: the images were refused ("no image column found"), and named by
+    --image_column_name, as "holds dict, not images", with nothing left to fix."""
+    with_metadata = write_hub_dataset(tmp_path / "hub", 40, 10)
+    without = tmp_path / "plain"
+    (without / "data").mkdir(parents=True)
+    for file in (with_metadata / "data").iterdir():
+        table = pq.read_table(file).replace_schema_metadata(None)
+        assert table.schema.field("img").type == pa.struct({"bytes": pa.binary(), "path": pa.string()})
+        pq.write_table(table, without / "data" / file.name)
+    assert datasets.load_dataset(str(without))["train"].features["img"] == {
+        "bytes": datasets.Value("binary"),
+        "path": datasets.Value("string"),
+    }
+    expected, plain = load_data(config_for(with_metadata)), load_data(config_for(without))
+    assert plain.image_column == "img" and plain.class_names == [str(i) for i in range(10)]
+    for split in ("train", "val", "test"):
+        assert torch.equal(getattr(plain, split).images, getattr(expected, split).images)
+        assert torch.equal(getattr(plain, split).labels, getattr(expected, split).labels)
 
 
 def write_files_that_differ(root, kind: str) -> None:

@@ -759,6 +759,16 @@ def fractional_labels(root: Path) -> Path:
     return dataset_with(root, [float(i % 10) for i in range(5)] + [3.7] + [1.0] * 34, features, "label")
 
 
+def number_labels(labels: list, dtype: str = "int64") -> Callable[[Path], Path]:
+    """A dataset whose train labels are these plain numbers (no ClassLabel: its classes are numbered 0..max)."""
+
+    def make(root: Path) -> Path:
+        features = datasets.Features({"img": datasets.Image(), "label": datasets.Value(dtype)})
+        return dataset_with(root, labels, features, "label")
+
+    return make
+
+
 def class_named(name: str) -> Callable[[Path], Path]:
     """A dataset whose class 3 has the name ``name``."""
 
@@ -778,15 +788,27 @@ def class_named(name: str) -> Callable[[Path], Path]:
         (huge_image, "train image 2 (column 'img') cannot be decoded (ImageTooLarge: 9000x8000 pixels, more than"),
         (null_label, "train label 5 (column 'label') is empty; fix that row or the column"),
         (fractional_labels, "train label 5 (column 'label') is 3.7, not a whole class number"),
+        (number_labels([i % 10 for i in range(39)] + [2**40]), "train label 1099511627776 at index 39 (column "
+         "'label') is above 99,999, the largest class number taken (an id, not a class?); fix that row, or name the "
+         "column of class numbers with --label_column_name"),
+        (number_labels([i % 10 for i in range(39)] + [1e300], "float64"), "train label 1e+300 at index 39 "),
+        (number_labels([-1] * 40), "error: the 'train' split has no labels (-1 in every row, datasets' mark for a "
+         "missing label); training needs them"),
+        (number_labels([3, 1, -5] + [1] * 37), "train label -5 at index 2 is below 0, where class numbers start; "
+         "fix the labels or --label_column_name"),
+        (number_labels([-5] * 40), "train label -5 at index 0 is below 0"),
         (class_named("big\ncat"), "the name of class 3 (label column 'label') holds a line break or another control "
                                    "character ('big\\ncat'); the tables, predictions and model card show each class on "
                                    "one line: rename it in the dataset"),
         (class_named(" "), "the name of class 3 (label column 'label') is empty (' ')"),
     ],
-    ids=["null-image", "decompression-bomb-size", "null-label", "fractional-labels", "class-name-with-a-line-break",
-         "blank-class-name"],
+    ids=["null-image", "decompression-bomb-size", "null-label", "fractional-labels", "an-id-as-label",
+         "a-huge-float-label", "every-label-missing", "a-negative-label", "every-label-negative",
+         "class-name-with-a-line-break", "blank-class-name"],
 )  # fmt: skip
 def test_bad_rows_and_class_names_are_refused_naming_them(train_here, tmp_path, make, words):
+    """A label of plain numbers far above the others (an id) made a list of that many class names, which took
+    all the memory until the kernel killed the run; labels all below 0 made none, and an IndexError of exit code 1."""
     proc = train_here(tiny_args(make(tmp_path / "data"), tmp_path / "out"))
     assert proc.returncode == 2
     assert words in one_error_line(proc)
