@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from accelerate.utils import parse_flag_from_env
 
@@ -527,6 +528,9 @@ def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word
     return f"; {flag} takes one value, '{value}' here: give {flag} {together} if both are meant"
 
 
+FLOAT32 = torch.finfo(torch.float32)  # a hyperparameter outside its range overflows, or rounds to 0, in a tensor
+
+
 def check_field(name: str, value: Any, origin: str) -> Any:
     """Return ``value`` as the field's type, or raise InputError naming ``origin``, the field and what it
     accepts (``schema.check_value``, with the field's bounds, and its pattern for strings)."""
@@ -543,6 +547,11 @@ def check_field(name: str, value: Any, origin: str) -> Any:
         return InputError(f"{origin}: {problem}")
 
     value = check_value(_TYPES[name], value, name, invalid, FIELDS[name].metadata["bounds"])
+    if isinstance(value, float) and value != 0 and not FLOAT32.tiny <= abs(value) <= FLOAT32.max:
+        raise InputError(
+            f"{origin}: '{name}' is {quote(value)}, outside the range of the float32 that training computes it in "
+            f"({FLOAT32.tiny:.4g} to {FLOAT32.max:.4g} in size, or 0)"
+        )
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")
     if FIELDS[name].metadata["path"] and value is not None:

@@ -164,6 +164,11 @@ CASES = [
     ("epochs-zero", ["--num_train_epochs", "0"], 2, ["num_train_epochs", ">= 1"]),
     ("patience-negative", ["--early_stopping_patience", "-1"], 2, ["early_stopping_patience", ">= 0"]),
     ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),
+    # Beyond float32, which training computes them in: a RuntimeError or ValueError of torch's, exit code 1.
+    ("brightness-beyond-float32", ["--brightness_shift", "1e39"], 2, ["'brightness_shift' is 1e+39, outside the "
+     "range of the float32 that training computes it in (1.175e-38 to 3.403e+38 in size, or 0)"]),
+    ("weight-decay-beyond-float32", ["--weight_decay", "1e308"], 2, ["'weight_decay' is 1e+308, outside"]),
+    ("mixup-alpha-below-float32", ["--mixup_alpha", "5e-324"], 2, ["'mixup_alpha' is 5e-324, outside"]),
     ("unknown-scheduler", ["--lr_scheduler_type", "exponential"], 2, ["lr_scheduler_type", "invalid choice"]),
     ("unknown-model", ["--model_name", "resnet50"], 2, ["model_name", "invalid choice"]),
     ("unknown-precision", ["--mixed_precision", "fp8"], 2, ["mixed_precision", "invalid choice"]),
