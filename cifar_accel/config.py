@@ -529,6 +529,7 @@ def _left_over(parser: argparse.ArgumentParser, argv: typing.Sequence[str], word
 
 
 FLOAT32 = torch.finfo(torch.float32)  # a hyperparameter outside its range overflows, or rounds to 0, in a tensor
+INT64 = torch.iinfo(torch.int64)  # a count beyond it fails in torch, numpy and the standard library
 
 
 def check_field(name: str, value: Any, origin: str) -> Any:
@@ -549,8 +550,12 @@ def check_field(name: str, value: Any, origin: str) -> Any:
     value = check_value(_TYPES[name], value, name, invalid, FIELDS[name].metadata["bounds"])
     if isinstance(value, float) and value != 0 and not FLOAT32.tiny <= abs(value) <= FLOAT32.max:
         raise InputError(
-            f"{origin}: '{name}' is {quote(value)}, outside the range of the float32 that training computes it in "
+            f"{origin}: '{name}' is {quote(value)}, outside the range of the float32 it is computed in "
             f"({FLOAT32.tiny:.4g} to {FLOAT32.max:.4g} in size, or 0)"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64.min <= value <= INT64.max:
+        raise InputError(
+            f"{origin}: '{name}' is {value}, beyond the 64-bit integers it is counted in (up to {INT64.max})"
         )
     if pattern and value is not None and not re.fullmatch(pattern[0], value):
         raise InputError(f"{origin}: '{name}' must be {pattern[1]}, not {quote(value)}")

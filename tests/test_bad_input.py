@@ -166,9 +166,11 @@ CASES = [
     ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),
     # Beyond float32, which training computes them in: a RuntimeError or ValueError of torch's, exit code 1.
     ("brightness-beyond-float32", ["--brightness_shift", "1e39"], 2, ["'brightness_shift' is 1e+39, outside the "
-     "range of the float32 that training computes it in (1.175e-38 to 3.403e+38 in size, or 0)"]),
+     "range of the float32 it is computed in (1.175e-38 to 3.403e+38 in size, or 0)"]),
     ("weight-decay-beyond-float32", ["--weight_decay", "1e308"], 2, ["'weight_decay' is 1e+308, outside"]),
     ("mixup-alpha-below-float32", ["--mixup_alpha", "5e-324"], 2, ["'mixup_alpha' is 5e-324, outside"]),
+    ("eval-batch-beyond-int64", ["--per_device_eval_batch_size", str(2**64)], 2, [
+     f"'per_device_eval_batch_size' is {2**64}, beyond the 64-bit integers it is counted in (up to {2**63 - 1})"]),
     ("unknown-scheduler", ["--lr_scheduler_type", "exponential"], 2, ["lr_scheduler_type", "invalid choice"]),
     ("unknown-model", ["--model_name", "resnet50"], 2, ["model_name", "invalid choice"]),
     ("unknown-precision", ["--mixed_precision", "fp8"], 2, ["mixed_precision", "invalid choice"]),

@@ -158,7 +158,7 @@ def test_launcher_precision_is_read_from_the_environment(monkeypatch):
         ("num_train_epochs: 0\n", "'num_train_epochs' must be >= 1"),
         ("early_stopping_patience: -1\n", "'early_stopping_patience' must be >= 0"),
         ("max_grad_norm: -1\n", "'max_grad_norm' must be > 0"),
-        ("learning_rate: 1e39\n", "'learning_rate' is 1e+39, outside the range of the float32 that training computes"),
+        ("learning_rate: 1e39\n", "'learning_rate' is 1e+39, outside the range of the float32 it is computed in"),
         ("max_train_steps: none\n", "'max_train_steps' must be int or null, not 'none': YAML's none is null"),
         ("lr_scheduler_type: exponential\n", "'lr_scheduler_type' must be one of step, cosine, linear, cosine_steps"),
         ("mixed_precision: fp8\n", "'mixed_precision' must be one of no, fp16, bf16"),
