@@ -75,6 +75,11 @@ def _field(
     return field(default=default, metadata=metadata)
 
 
+# The largest learning rate, learning-rate multiple and brightness shift taken: far beyond any that trains, and far
+# enough below float32's largest number that the products the optimizers and augmentation make of them stay in it.
+MAX_RATE = 1_000_000
+
+
 @dataclass
 class TrainConfig:
     # Data
@@ -146,6 +151,7 @@ class TrainConfig:
         "0 turns it off.",
         resume="match",
         ge=0,
+        le=MAX_RATE,
     )
     contrast_scale: float = _field(
         0.0,
@@ -197,7 +203,12 @@ class TrainConfig:
         resume="match",
     )
     learning_rate: float = _field(
-        1e-3, "Learning rate (the peak of a per-step schedule).", resume="match", aliases=("--lr",), gt=0
+        1e-3,
+        "Learning rate (the peak of a per-step schedule).",
+        resume="match",
+        aliases=("--lr",),
+        gt=0,
+        le=MAX_RATE,
     )
     scale_lr: bool = _field(
         False,
@@ -212,6 +223,7 @@ class TrainConfig:
         "its step); the schedule scales it as it scales --learning_rate, --scale_lr leaves it.",
         resume="match",
         gt=0,
+        le=MAX_RATE,
     )
     muon_momentum: float = _field(0.6, "Muon: momentum of the conv filter banks.", resume="match", ge=0, lt=1)
     muon_ns_steps: int = _field(
@@ -238,6 +250,7 @@ class TrainConfig:
         "(so that the decay per step stays the same).",
         resume="match",
         gt=0,
+        le=MAX_RATE,
     )
     weight_decay: float = _field(
         0.0,

@@ -165,10 +165,12 @@ CASES = [
     ("patience-negative", ["--early_stopping_patience", "-1"], 2, ["early_stopping_patience", ">= 0"]),
     ("clip-zero", ["--max_grad_norm", "0"], 2, ["max_grad_norm", "> 0"]),
     # Beyond float32, which training computes them in: a RuntimeError or ValueError of torch's, exit code 1.
-    ("brightness-beyond-float32", ["--brightness_shift", "1e39"], 2, ["'brightness_shift' is 1e+39, outside the "
+    ("cutmix-alpha-beyond-float32", ["--cutmix_alpha", "1e39"], 2, ["'cutmix_alpha' is 1e+39, outside the "
      "range of the float32 it is computed in (1.175e-38 to 3.403e+38 in size, or 0)"]),
+    ("brightness-too-large", ["--brightness_shift", "1e39"], 2, ["'brightness_shift' must be <= 1000000, got 1e+39"]),
     ("weight-decay-beyond-float32", ["--weight_decay", "1e308"], 2, ["'weight_decay' is 1e+308, outside"]),
     ("mixup-alpha-below-float32", ["--mixup_alpha", "5e-324"], 2, ["'mixup_alpha' is 5e-324, outside"]),
+    ("lr-that-overflows-adam", ["--learning_rate", "3e38"], 2, ["'learning_rate' must be <= 1000000, got 3e+38"]),
     ("eval-batch-beyond-int64", ["--per_device_eval_batch_size", str(2**64)], 2, [
      f"'per_device_eval_batch_size' is {2**64}, beyond the 64-bit integers it is counted in (up to {2**63 - 1})"]),
     ("unknown-scheduler", ["--lr_scheduler_type", "exponential"], 2, ["lr_scheduler_type", "invalid choice"]),
