@@ -518,6 +518,7 @@ def class_names_of(split: datasets.Dataset, label_column: str, split_name: str) 
                     "predictions and model card show each class on one line: rename it in the dataset"
                 )
         return list(feature.names)
+    check_label_values(split, label_column, split_name)  # all of them: whole numbers or empty
     labels = label_values(split, label_column)
     top = max((label for label in labels if label is not None), default=-1)
     if top >= MAX_NUMBERED_CLASSES:
@@ -725,7 +726,7 @@ def load_data(config: TrainConfig) -> CifarData:
     test = decode_split(raw["test"], image_column, label_column, "test")
 
     class_names = class_names_of(raw["train"], label_column, "train")
-    check_labels("train", full_train, len(class_names))  # first: no label may be 0 or more, and no class numbered
+    check_labels("train", full_train, len(class_names))  # before the count: labels all below 0 number no class
     if len(class_names) < 2:
         raise InputError(
             f"dataset '{config.dataset_name}' has one class ({class_names[0]!r}, label column '{label_column}'), and "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shutil
 
 import datasets
@@ -257,6 +258,25 @@ def test_parquet_written_without_datasets_metadata_is_read_as_the_same_images(tm
     for split in ("train", "val", "test"):
         assert torch.equal(getattr(plain, split).images, getattr(expected, split).images)
         assert torch.equal(getattr(plain, split).labels, getattr(expected, split).labels)
+
+
+@pytest.mark.parametrize(
+    ("last", "line"),
+    [
+        (float("nan"), "train label 39 (column 'label') is nan, not a whole class number"),
+        (2.0**40, "train label 1099511627776.0 at index 39 (column 'label') is above 99,999, the largest class number"),
+    ],
+)
+def test_labels_past_max_train_samples_are_checked_before_they_number_the_classes(tmp_path, last, line):
+    """The classes of a label column of plain numbers are 0 to its largest label in the whole train split, also
+    past the first --max_train_samples rows that are decoded: a NaN there failed as a ValueError (exit code 1), and
+    an id made that many class names until the run was killed for memory."""
+    images, labels = make_images(40, 0)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("float64")})
+    train = datasets.Dataset.from_dict({"img": images, "label": [*map(float, labels[:39]), last]}, features=features)
+    root = write_split_files(tmp_path / "ds", train, good_split(20, 1))
+    with pytest.raises(InputError, match=f"^{re.escape(line)}"):
+        load_data(config_for(root, max_train_samples=20))
 
 
 def write_files_that_differ(root, kind: str) -> None:
