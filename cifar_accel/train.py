@@ -153,9 +153,10 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
     global_batch = batch_per_step * config.gradient_accumulation_steps
     scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1
     learning_rate = config.learning_rate * scale
+    names = ", ".join(data.class_names[:10]) + (", ..." if len(data.class_names) > 10 else "")
     logger.info(
-        f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images; "
-        f"batch {config.per_device_train_batch_size} per process x "
+        f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images of "
+        f"{len(data.class_names)} classes ({names}); batch {config.per_device_train_batch_size} per process x "
         f"{counted(accelerator.num_processes, 'process', 'processes')} x "
         f"{counted(config.gradient_accumulation_steps, 'accumulation step')} = {global_batch} global; learning rate "
         f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")

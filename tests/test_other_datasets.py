@@ -111,6 +111,7 @@ def test_presets_train_coarse_and_fine_labels_and_statistics_are_cached(train_he
         + [*small, "--per_device_train_batch_size", "25"]
     )
     assert fast.returncode == 0, fast.stderr
+    assert f"test images of 100 classes ({', '.join(FINE_NAMES[:10])}, ...); batch 25" in fast.stdout
     caplog.clear()
     config = TrainConfig(dataset_name=str(cifar100_dataset), label_column_name="fine_label", max_train_samples=200)
     again = load_data(config)
@@ -131,7 +132,11 @@ def test_an_image_folder_of_greyscale_and_rgb_pngs_trains_with_its_own_statistic
     """Its validation/ folder validates, and all of train/ trains (the statistics are train/'s)."""
     per_class = {"train": 20, "validation": 4, "test": 6}
     folder = write_image_folder(tmp_path / "shapes", ["dark", "mid", "light"], per_class)
-    assert train_here(tiny_args(folder, tmp_path / "run", "--per_device_train_batch_size", "8")).returncode == 0
+    proc = train_here(tiny_args(folder, tmp_path / "run", "--per_device_train_batch_size", "8"))
+    assert proc.returncode == 0, proc.stderr
+    # The log names the classes: an image folder's are the folders that hold the images themselves (one level
+    # deeper, train/cat/2019/, and the classes would be the years).
+    assert "data: 60 train, 12 validation, 18 test images of 3 classes (dark, light, mid); batch 8" in proc.stdout
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (results["train_samples"], results["val_samples"], results["val_split"]) == (60, 12, "validation")
     assert (
