@@ -29,7 +29,7 @@ from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from cifar_accel.config import TrainConfig, looks_like_path
-from cifar_accel.errors import InputError, RunFault, counted, not_text, one_line
+from cifar_accel.errors import InputError, RunFault, counted, first_ones, not_text, one_line
 from cifar_accel.images import GIT_LFS_FIX, IMAGE_SIZE, GitLfsPointer, git_lfs_pointer, image_to_rgb32, to_rgb32
 from cifar_accel.outputs import disk_full, fix_for
 from cifar_accel.progress import progress
@@ -271,7 +271,8 @@ def generation_failure(err: datasets.exceptions.DatasetGenerationError) -> str:
     if columns := cause_of(err, datasets.table.CastError):
         return f"not all of them have the same columns: {columns.details().rstrip('.')}"
     cause = err.__cause__ or err.__context__ or err
-    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else 'no message'}"
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
 
 
 def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str, ...], split_flag: str | None) -> None:
@@ -402,12 +403,10 @@ def _decode_batch(batch: dict, indices: list[int], image_column: str, split: str
 DECODER_CODE = "".join(inspect.getsource(f) for f in (_decode_batch, to_rgb32, image_to_rgb32))
 
 
-def check_label_values(dataset: datasets.Dataset, label_column: str, split: str) -> None:
-    """Labels must be whole class numbers: refuse empty cells and fractions, naming the first row. A ClassLabel
-    column holds class numbers; its empty cells are found once it is decoded (``decode_split``)."""
-    if isinstance(dataset.features[label_column], datasets.ClassLabel):
-        return
-    for index, label in enumerate(label_values(dataset, label_column)):
+def check_label_values(labels: list, label_column: str, split: str) -> None:
+    """The labels of a column of plain values must be whole class numbers: refuse empty cells and fractions, naming
+    the first row."""
+    for index, label in enumerate(labels):
         if label is None:
             problem = "is empty"
         elif isinstance(label, float) and not label.is_integer():
@@ -425,7 +424,8 @@ def decode_split(
     """One split as uint8 tensors; the decoded copy is cached by `datasets`."""
     if len(dataset) == 0:
         raise InputError(f"the '{split}' split is empty; point {dataset_flag} at a dataset with images in it")
-    check_label_values(dataset, label_column, split)
+    if not isinstance(dataset.features[label_column], datasets.ClassLabel):  # its empty cells are found once decoded
+        check_label_values(label_values(dataset, label_column), label_column, split)
     dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
     features = datasets.Features(
         {
@@ -505,10 +505,10 @@ def choose_normalization(config: TrainConfig, train: Split, class_names: list[st
 MAX_NUMBERED_CLASSES = 100_000  # ImageNet-21k has 21,841; a larger label is an id or a value, not a class number
 
 
-def class_names_of(split: datasets.Dataset, label_column: str, split_name: str) -> list[str]:
-    """Names from a ClassLabel column, else the label numbers 0..max of the whole split (its first rows may not hold
-    the largest; none where no label is 0 or more), at most ``MAX_NUMBERED_CLASSES`` of them."""
-    feature = split.features[label_column]
+def class_names_of(feature: object, labels: list, label_column: str, split_name: str) -> list[str]:
+    """The class names of a label column (its ``feature``, and ``labels``, those of the whole split): a ClassLabel's
+    names, else the label numbers 0..max (the first rows may not hold the largest; none where no label is 0 or
+    more), at most ``MAX_NUMBERED_CLASSES`` of them."""
     if isinstance(feature, datasets.ClassLabel):
         for index, name in enumerate(feature.names):
             if not name.strip() or any(unicodedata.category(character) == "Cc" for character in name):
@@ -518,8 +518,7 @@ def class_names_of(split: datasets.Dataset, label_column: str, split_name: str) 
                     "predictions and model card show each class on one line: rename it in the dataset"
                 )
         return list(feature.names)
-    check_label_values(split, label_column, split_name)  # all of them: whole numbers or empty
-    labels = label_values(split, label_column)
+    check_label_values(labels, label_column, split_name)
     top = max((label for label in labels if label is not None), default=-1)
     if top >= MAX_NUMBERED_CLASSES:
         raise InputError(
@@ -603,7 +602,7 @@ def warn_if_classes_untrained(train_labels: list, test_labels: torch.Tensor, cla
     untrained = sorted(set(test_labels.tolist()) - {label for label in train_labels if label is not None})
     if untrained:
         images = int(torch.isin(test_labels, torch.tensor(untrained)).sum())
-        names = ", ".join(repr(class_names[label]) for label in untrained[:5]) + (", ..." if len(untrained) > 5 else "")
+        names = first_ones([repr(class_names[label]) for label in untrained], 5)
         logger.warning(
             "test: %d of its images belong to classes that no training image has (%s): a model cannot learn them, "
             "and the test counts those images as errors; check the train split",
@@ -648,7 +647,7 @@ def load_split(
             warn_if_classes_left_out(tensors.labels, every_label, split, "--max_eval_samples")
     feature = raw[source].features[label_column]
     if classes is None:
-        classes = class_names_of(raw[source], label_column, source)
+        classes = class_names_of(feature, label_values(raw[source], label_column), label_column, source)
     elif isinstance(feature, datasets.ClassLabel) and classes not in (feature.names, numbered(len(classes))):
         tensors = labels_by_name(tensors, feature.names, classes, split)
     check_labels(split, tensors, len(classes), EVALUATE_UNLABELLED_FIX)
@@ -692,8 +691,7 @@ def labels_by_name(split: Split, names: list[str], classes: list[str], split_nam
     check_labels(split_name, split, len(names), EVALUATE_UNLABELLED_FIX)
     unknown = [names[i] for i in split.labels.unique().tolist() if names[i] not in classes]
     if unknown:
-        listed = ", ".join(repr(name) for name in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
-        known = ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else "")
+        listed, known = first_ones([repr(name) for name in unknown], 10), first_ones(classes, 20)
         raise InputError(
             f"the '{split_name}' split has images of classes the model does not know ({listed}); its "
             f"{len(classes)} classes are {known}: name the split's classes as the model does, or leave those images out"
@@ -725,7 +723,8 @@ def load_data(config: TrainConfig) -> CifarData:
     full_train = decode_split(train_raw, image_column, label_column, "train")
     test = decode_split(raw["test"], image_column, label_column, "test")
 
-    class_names = class_names_of(raw["train"], label_column, "train")
+    every_label = label_values(raw["train"], label_column)
+    class_names = class_names_of(raw["train"].features[label_column], every_label, label_column, "train")
     check_labels("train", full_train, len(class_names))  # before the count: labels all below 0 number no class
     if len(class_names) < 2:
         raise InputError(
@@ -733,7 +732,6 @@ def load_data(config: TrainConfig) -> CifarData:
             "a classifier needs two or more; check the labels, or name another column with --label_column_name"
         )
     check_labels("test", test, len(class_names))
-    every_label = label_values(raw["train"], label_column)
     if len(train_raw) < len(raw["train"]):
         warn_if_classes_left_out(full_train.labels, every_label, "train", "--max_train_samples")
     warn_if_classes_untrained(every_label, test.labels, class_names)

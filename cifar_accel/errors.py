@@ -114,6 +114,11 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
+def first_ones(items: Sequence[str], most: int) -> str:
+    """The first ``most`` of ``items``, joined by commas, then '...' where there are more: 'a, b, c, ...'."""
+    return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
+
+
 def non_empty(value: str) -> str:
     """An argparse type for names and paths: an empty value (a shell variable that was not set) is refused rather
     than read as 'the default' or as the current folder."""

@@ -24,6 +24,7 @@ from cifar_accel.errors import (
     InputError,
     counted,
     exit_command,
+    first_ones,
     image_path,
     one_line,
     user_path,
@@ -83,8 +84,7 @@ def image_files(paths: Sequence[str]) -> tuple[list[Path], list[tuple[Path, str]
             raise InputError(missing_image(name))
     if not files:
         folders = [str(entry) for entry, _ in skipped if entry.is_dir()]
-        listing = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
-        inside = f"; a folder's subfolders are not searched, so name them ({listing})" if folders else ""
+        inside = f"; a folder's subfolders are not searched, so name them ({first_ones(folders, 3)})" if folders else ""
         raise InputError(f"no image files found in {', '.join(paths)}{inside}")
     return files, skipped
 

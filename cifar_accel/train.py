@@ -39,7 +39,7 @@ from cifar_accel.checkpoint import (
 from cifar_accel.config import TrainConfig, config_yaml, dataset_location, load_config
 from cifar_accel.data import CifarData, Split, check_dataset_path, data_signature, load_data, make_loader
 from cifar_accel.engine import TrainTransform, evaluate_model, progress_bar, training_step
-from cifar_accel.errors import InputError, RunFault, Stopped, counted, exit_command, one_line
+from cifar_accel.errors import InputError, RunFault, Stopped, counted, exit_command, first_ones, one_line
 from cifar_accel.evaluate import warn_of_earlier_evaluations
 from cifar_accel.hub import check_hub_settings, push_to_hub
 from cifar_accel.metrics import classification_report, load_metric
@@ -153,10 +153,10 @@ def load_run_data(config: TrainConfig, accelerator: Accelerator) -> tuple[CifarD
     global_batch = batch_per_step * config.gradient_accumulation_steps
     scale = global_batch // config.per_device_train_batch_size if config.scale_lr else 1
     learning_rate = config.learning_rate * scale
-    names = ", ".join(data.class_names[:10]) + (", ..." if len(data.class_names) > 10 else "")
     logger.info(
         f"data: {len(data.train)} train, {len(data.val)} validation, {len(data.test)} test images of "
-        f"{len(data.class_names)} classes ({names}); batch {config.per_device_train_batch_size} per process x "
+        f"{len(data.class_names)} classes ({first_ones(data.class_names, 10)}); "
+        f"batch {config.per_device_train_batch_size} per process x "
         f"{counted(accelerator.num_processes, 'process', 'processes')} x "
         f"{counted(config.gradient_accumulation_steps, 'accumulation step')} = {global_batch} global; learning rate "
         f"{learning_rate:g}" + (f" = {config.learning_rate:g} x {scale} (--scale_lr)" if config.scale_lr else "")
