@@ -110,9 +110,21 @@ def data_signature(data: CifarData) -> str:
     return digest.hexdigest()
 
 
+# The variables that place the caches of `datasets` and of the Hub's downloads. Set but empty, each is taken as the
+# current folder, where the cache's files would land among the user's (a local dataset's in its own folder).
+CACHE_VARIABLES = ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
 def check_dataset_path(dataset_name: str, dataset_flag: str = "--dataset_name") -> None:
-    """Refuse a local dataset path that does not exist or is a file, before any work starts; ``dataset_flag`` is the
-    flag that named it."""
+    """Refuse a local dataset path that does not exist or is a file, and a cache variable set but empty, before any
+    work starts; ``dataset_flag`` is the flag that named the dataset."""
+    for variable in CACHE_VARIABLES:
+        if os.environ.get(variable) == "":
+            raise InputError(
+                f"{variable} is set but empty, which datasets and the Hub take as the current folder: their caches "
+                f"would be written into {Path.cwd()} (a local dataset's into its own folder); unset {variable}, or "
+                "set it to a folder for the cache"
+            )
     if looks_like_path(dataset_name) and not Path(dataset_name).expanduser().exists():
         raise InputError(f"dataset path '{dataset_name}' does not exist; {local_copy_hint(dataset_flag)}")
     if looks_like_path(dataset_name) and Path(dataset_name).expanduser().is_file():

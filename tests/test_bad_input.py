@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -461,6 +463,32 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
                      "device); free space on that disk, or set HF_DATASETS_CACHE to a folder on another, then run "
                      "again")  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("variable", ["HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME"])
+def test_a_cache_variable_set_but_empty_is_refused_before_the_cache_lands_among_the_users_files(
+    tiny_dataset, cli_env, tmp_path, variable
+):
+    """`HF_DATASETS_CACHE=$UNSET_VARIABLE python -m cifar_accel.train ...`: `datasets` takes an empty value as the
+    current folder. Run beside a copy of the dataset, the run trained, writing the cache's Arrow files into the
+    dataset's own folder (data/default/0.0.0/...) and its lock files into the current one. Now one line, exit 2,
+    from `train` and `evaluate`, and nothing written anywhere."""
+    shutil.copytree(tiny_dataset, tmp_path / "data")
+    assert run_cli(tiny_args(tiny_dataset, tmp_path / "first"), cli_env).returncode == 0
+    env = {**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "cache"), variable: ""}
+    before = snapshot(tmp_path)
+    for command in (
+        ["-m", "cifar_accel.train", "--dataset_name", "data", "--num_train_epochs", "1", "--output_dir", "run"],
+        ["-m", "cifar_accel.evaluate", "--model", "first", "--dataset_name", "data"],
+    ):
+        proc = subprocess.run([sys.executable, *command], env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert (proc.returncode, proc.stderr) == (
+            2,
+            f"error: {variable} is set but empty, which datasets and the Hub take as the current folder: their caches "
+            f"would be written into {tmp_path} (a local dataset's into its own folder); unset {variable}, or set it "
+            "to a folder for the cache\n",
+        )
+        assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize(
