@@ -772,14 +772,23 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return values
 
 
-def check_launcher_engines() -> None:
-    """Refuse a launcher profile that asks for DeepSpeed or Megatron-LM, which Accelerate would set up, in one line:
-    the package runs in one process or with DDP in several."""
+def check_launcher_environment() -> None:
+    """Refuse, in one line, a launcher profile that asks for DeepSpeed or Megatron-LM, which Accelerate would set up
+    (the package runs in one process or with DDP in several), and a RANK not below WORLD_SIZE (or LOCAL_RANK not
+    below LOCAL_WORLD_SIZE), which only a hand-set environment has: that process waited for a rendezvous with
+    processes that never come, deaf to Ctrl-C."""
     for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
         if parse_flag_from_env(variable):
             raise InputError(
                 f"accelerate launch asked for {engine} ({variable}), which this package does not run with: it runs "
                 "in one process or with DDP in several; launch with a profile without it (accelerate_configs/)"
+            )
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        numbers = os.environ.get(rank, ""), os.environ.get(size, "")
+        if all(number.isdigit() for number in numbers) and int(numbers[0]) >= int(numbers[1]):
+            raise InputError(
+                f"{rank} is {numbers[0]} and {size} is {numbers[1]}, where a launcher (torchrun, accelerate launch) "
+                f"numbers the processes from 0 to {size} - 1; unset them, or start the command through the launcher"
             )
 
 
@@ -875,7 +884,7 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         cli.get("mixed_precision"), launcher_precision(), from_file.get("mixed_precision")
     )
     values["mixed_precision"] = precision
-    check_launcher_engines()
+    check_launcher_environment()
     if launcher_compiles() and "torch_compile" not in cli:  # after this script's flag, as for the precision
         values["torch_compile"] = True
     config = TrainConfig(**values)

@@ -406,14 +406,16 @@ def _exit_code(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None
 
 TRUTH_VALUE_ERROR = re.compile(r"invalid truth value (.*)")  # accelerate.utils.str_to_bool's ValueError
 NUMBER_ERROR = re.compile(r"invalid literal for int\(\) with base 10: '(.*)'")
+RENDEZVOUS_ERROR = re.compile(r".*env:// rendezvous: environment variable (\w+) expected, but not set")  # torch's
 # The whole numbers a launcher (torchrun, accelerate launch, srun through them) sets for each process it starts.
 LAUNCHER_NUMBERS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT")
 
 
 def environment_problem(err: Exception) -> str | None:
     """The line for a ValueError that an environment variable caused, naming it: one that Accelerate reads as
-    true or false (set by hand, or by a launcher profile) holding something else, or one of a launcher's numbers
-    that is not a whole number; else None."""
+    true or false (set by hand, or by a launcher profile) holding something else, one of a launcher's numbers
+    that is not a whole number, or a launcher's variables set in part (LOCAL_RANK alone makes Accelerate join the
+    processes through torch's rendezvous, which needs the others); else None."""
     if not isinstance(err, ValueError):
         return None
     if match := TRUTH_VALUE_ERROR.fullmatch(str(err)):
@@ -429,4 +431,12 @@ def environment_problem(err: Exception) -> str | None:
                 f"{' and '.join(settings)}, where a launcher (torchrun, accelerate launch) puts a whole number; unset "
                 "it, or start the command through the launcher"
             )
+    if match := RENDEZVOUS_ERROR.fullmatch(str(err)):
+        present = [name for name in (*LAUNCHER_NUMBERS, "MASTER_ADDR") if name in os.environ]
+        settings = [f"{name} is {os.environ[name]!r}" for name in present]
+        return (
+            f"{' and '.join(settings)} but {match[1]} is not set, which torch.distributed needs to join the processes "
+            "(a launcher, torchrun or accelerate launch, sets them all); unset them, or start the command through the "
+            "launcher"
+        )
     return None

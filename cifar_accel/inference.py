@@ -29,7 +29,7 @@ from cifar_accel.config import (
     TrainConfig,
     check_acts,
     check_field,
-    check_launcher_engines,
+    check_launcher_environment,
     launcher_precision,
     looks_like_path,
     read_config_file,
@@ -157,8 +157,9 @@ def inference_precision(flag: str | None, trained: TrainedModel) -> tuple[str, b
     """The precision evaluate and predict run ``trained`` in: --mixed_precision (``flag``), else accelerate launch's
     (other than its default 'no'), else the run's own, in which its test accuracy was measured; and whether it was
     asked for (by the flag or the launcher), which a device without it is worth a warning for. A GPU run's fp16 is
-    not: on a CPU its model runs in fp32, as a run there would. A launcher's DeepSpeed is refused, as for training."""
-    check_launcher_engines()
+    not: on a CPU its model runs in fp32, as a run there would. A launcher's DeepSpeed, or a rank outside its
+    processes, is refused, as for training."""
+    check_launcher_environment()
     precision, source = resolve_mixed_precision(flag, launcher_precision(), trained.config.mixed_precision)
     return precision, source != "config file"
 

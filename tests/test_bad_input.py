@@ -345,6 +345,44 @@ def test_an_environment_variable_of_accelerate_or_a_launcher_with_a_bad_value_is
     assert not (tmp_path / "out").exists()
 
 
+RENDEZVOUS = (
+    "which torch.distributed needs to join the processes (a launcher, torchrun or accelerate launch, sets "
+    "them all); unset them, or start the command through the launcher"
+)
+RANKS = (
+    "where a launcher (torchrun, accelerate launch) numbers the processes from 0 to {} - 1; unset them, or start "
+    "the command through the launcher"
+)
+
+
+@pytest.mark.parametrize(("module", "environment", "line"), [
+    ("cifar_accel.train", {"LOCAL_RANK": "0"}, f"LOCAL_RANK is '0' but RANK is not set, {RENDEZVOUS}"),
+    ("cifar_accel.train", {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
+     f"WORLD_SIZE is '1' and RANK is '0' and LOCAL_RANK is '0' and MASTER_ADDR is '127.0.0.1' but MASTER_PORT is "
+     f"not set, {RENDEZVOUS}"),
+    ("cifar_accel.train", {"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29555"}, "RANK is 1 and WORLD_SIZE is 1, " + RANKS.format("WORLD_SIZE")),
+    ("cifar_accel.evaluate", {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "1",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"},
+     "LOCAL_RANK is 2 and LOCAL_WORLD_SIZE is 2, " + RANKS.format("LOCAL_WORLD_SIZE")),
+], ids=["local-rank-alone", "no-master-port", "rank-past-world-size", "local-rank-past-local-world-size"])  # fmt: skip
+def test_a_launchers_variables_set_by_hand_in_part_or_out_of_range_are_named(
+    tiny_dataset, cli_env, tmp_path, module, environment, line
+):
+    """LOCAL_RANK makes Accelerate join the processes through torch's env:// rendezvous. Set without the others it
+    needs, the run ended in torch's ValueError, exit code 1; with a RANK not below WORLD_SIZE (or a LOCAL_RANK not
+    below LOCAL_WORLD_SIZE), the process waited for processes that never come, and neither SIGTERM nor Ctrl-C
+    stopped it. Now one line each, exit code 2, before anything is written."""
+    run = tmp_path / "run"
+    flags = tiny_args(tiny_dataset, run) if module == "cifar_accel.train" else ["--model", str(tmp_path / "run")]
+    if module != "cifar_accel.train":
+        assert run_cli(tiny_args(tiny_dataset, run), cli_env).returncode == 0
+    before = snapshot(tmp_path)
+    proc = run_cli(flags, {**cli_env, **environment}, module=module, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, f"error: {line}\n")
+    assert snapshot(tmp_path) == before
+
+
 def test_a_libraries_log_line_is_printed_once(cli_env, tmp_path):
     """`datasets` logs the parquet reader's failure through its own handler, and its logger propagates to the root
     logger, where the command's handler printed it a second time."""
