@@ -30,6 +30,14 @@ from conftest import (
 )
 
 
+@pytest.fixture(scope="module")
+def finished_run(tiny_dataset: Path, cli_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-epoch run on the tiny dataset, for the tests of what evaluate refuses."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert run_cli(tiny_args(tiny_dataset, run), cli_env).returncode == 0
+    return run
+
+
 def empty_test_split(root: Path) -> Path:
     return write_split_files(root, good_split(), good_split().select([]))
 
@@ -367,20 +375,18 @@ RANKS = (
      "LOCAL_RANK is 2 and LOCAL_WORLD_SIZE is 2, " + RANKS.format("LOCAL_WORLD_SIZE")),
 ], ids=["local-rank-alone", "no-master-port", "rank-past-world-size", "local-rank-past-local-world-size"])  # fmt: skip
 def test_a_launchers_variables_set_by_hand_in_part_or_out_of_range_are_named(
-    tiny_dataset, cli_env, tmp_path, module, environment, line
+    tiny_dataset, finished_run, cli_env, tmp_path, module, environment, line
 ):
     """LOCAL_RANK makes Accelerate join the processes through torch's env:// rendezvous. Set without the others it
     needs, the run ended in torch's ValueError, exit code 1; with a RANK not below WORLD_SIZE (or a LOCAL_RANK not
     below LOCAL_WORLD_SIZE), the process waited for processes that never come, and neither SIGTERM nor Ctrl-C
     stopped it. Now one line each, exit code 2, before anything is written."""
-    run = tmp_path / "run"
-    flags = tiny_args(tiny_dataset, run) if module == "cifar_accel.train" else ["--model", str(tmp_path / "run")]
-    if module != "cifar_accel.train":
-        assert run_cli(tiny_args(tiny_dataset, run), cli_env).returncode == 0
-    before = snapshot(tmp_path)
+    train = module == "cifar_accel.train"
+    flags = tiny_args(tiny_dataset, tmp_path / "run") if train else ["--model", str(finished_run)]
+    before = snapshot(finished_run)
     proc = run_cli(flags, {**cli_env, **environment}, module=module, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, f"error: {line}\n")
-    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "run").exists() and snapshot(finished_run) == before
 
 
 def test_a_libraries_log_line_is_printed_once(cli_env, tmp_path):
@@ -505,19 +511,18 @@ def test_a_full_datasets_cache_is_one_line_naming_it_and_the_fix(tiny_dataset, c
 
 @pytest.mark.parametrize("variable", ["HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME"])
 def test_a_cache_variable_set_but_empty_is_refused_before_the_cache_lands_among_the_users_files(
-    tiny_dataset, cli_env, tmp_path, variable
+    tiny_dataset, finished_run, cli_env, tmp_path, variable
 ):
     """`HF_DATASETS_CACHE=$UNSET_VARIABLE python -m cifar_accel.train ...`: `datasets` takes an empty value as the
     current folder. Run beside a copy of the dataset, the run trained, writing the cache's Arrow files into the
     dataset's own folder (data/default/0.0.0/...) and its lock files into the current one. Now one line, exit 2,
     from `train` and `evaluate`, and nothing written anywhere."""
     shutil.copytree(tiny_dataset, tmp_path / "data")
-    assert run_cli(tiny_args(tiny_dataset, tmp_path / "first"), cli_env).returncode == 0
     env = {**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "cache"), variable: ""}
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path), snapshot(finished_run)
     for command in (
         ["-m", "cifar_accel.train", "--dataset_name", "data", "--num_train_epochs", "1", "--output_dir", "run"],
-        ["-m", "cifar_accel.evaluate", "--model", "first", "--dataset_name", "data"],
+        ["-m", "cifar_accel.evaluate", "--model", str(finished_run), "--dataset_name", "data"],
     ):
         proc = subprocess.run([sys.executable, *command], env=env, cwd=tmp_path, capture_output=True, text=True)
         assert (proc.returncode, proc.stderr) == (
@@ -526,7 +531,7 @@ def test_a_cache_variable_set_but_empty_is_refused_before_the_cache_lands_among_
             f"would be written into {tmp_path} (a local dataset's into its own folder); unset {variable}, or set it "
             "to a folder for the cache\n",
         )
-        assert snapshot(tmp_path) == before
+        assert (snapshot(tmp_path), snapshot(finished_run)) == before
 
 
 @pytest.mark.parametrize(
