@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from cifar_accel.errors import exit_command
+from cifar_accel.errors import InputError, exit_command
 from cifar_accel.state import epochs_text, read_results
 
 
@@ -20,6 +20,9 @@ def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="Run folders, each with the results.json of a finished run.")
     run_dirs = parser.parse_args(argv).run_dirs
+    for index, run_dir in enumerate(run_dirs):  # a run given twice would count twice in the mean
+        if same := next((d for d in run_dirs[:index] if Path(d).resolve() == Path(run_dir).resolve()), None):
+            raise InputError(f"'{run_dir}' is the run '{same}' again; give each run once")
     runs = [read_results(Path(run_dir) / "results.json") for run_dir in run_dirs]
     print("| run | precision | epochs | s/epoch | train img/s | minutes | best val acc | test acc | test acc, no TTA |")
     print("|---|---|---|---|---|---|---|---|---|")

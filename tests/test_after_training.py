@@ -517,7 +517,8 @@ def test_fp16_on_a_cpu_says_it_runs_in_fp32(trained_run, cli_env, tmp_path, modu
 
 
 def test_summarize_runs_tables_finished_runs_and_refuses_a_folder_without_results(trained_run, tmp_path, capsys):
-    assert run_main(summarize_runs.main, [str(trained_run), str(trained_run)]) == 0
+    copy = shutil.copytree(trained_run, tmp_path / "copy")
+    assert run_main(summarize_runs.main, [str(trained_run), str(copy)]) == 0
     out = capsys.readouterr().out
     results = read_results(trained_run)
     assert f"| {trained_run.name} | {results['mixed_precision']} | {results['epochs_completed']} | " in out
@@ -525,3 +526,8 @@ def test_summarize_runs_tables_finished_runs_and_refuses_a_folder_without_result
     assert run_main(summarize_runs.main, [str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"error: {tmp_path / 'results.json'} is not the results.json of a finished run")
+    # The same run twice, through a link to it too, would count twice in the mean.
+    (tmp_path / "link").symlink_to(copy)
+    assert run_main(summarize_runs.main, [str(copy), str(tmp_path / "link")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: '{tmp_path / 'link'}' is the run '{copy}' again; give each run once\n"
