@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import load as load_pickled
 
 from cifar_accel.averaging import EMA_FILE, WeightAverage, load_ema, save_ema
-from cifar_accel.config import FIELDS, TrainConfig, dataset_location
+from cifar_accel.config import FIELDS, TrainConfig, as_flags, dataset_location
 from cifar_accel.errors import InputError, RunFault, counted, one_line
 from cifar_accel.outputs import (
     CHECKPOINT_NAME,
@@ -271,19 +271,16 @@ def check_resume(path: Path, state: TrainerState, fingerprint: dict[str, Any], n
     }
     saved["dataset_name"] = dataset_location(saved["dataset_name"])  # recorded as typed before it was made absolute
     checked_later = CHECKED_BY_CONTENT if state.data_signature else frozenset()
-    differences = [
-        f"{key}: checkpoint {saved[key]!r}, now {value!r}"
-        for key, value in fingerprint.items()
-        if saved[key] != value and key not in checked_later
-    ]
-    if differences:
+    differing = [key for key, value in fingerprint.items() if saved[key] != value and key not in checked_later]
+    if differing:
+        differences = "; ".join(f"{key}: checkpoint {saved[key]!r}, now {fingerprint[key]!r}" for key in differing)
         settings = path.parent.parent / CONFIG_FILE  # the effective config of the run that saved the checkpoint
-        original = (
-            f": add --config {shlex.quote(str(settings))} (flags still override it)" if settings.is_file() else ""
+        all_of_them = (
+            f"; all of the run's are in {shlex.quote(str(settings))}, for --config" if settings.is_file() else ""
         )
         raise InputError(
-            f"checkpoint '{path}' was made with a different config ({'; '.join(differences)}); "
-            f"resume with the original settings{original}, or start a new --output_dir"
+            f"checkpoint '{path}' was made with a different config ({differences}); resume with its settings "
+            f"({as_flags({key: saved[key] for key in differing})}{all_of_them}), or start a new --output_dir"
         )
     if state.num_processes != num_processes and state.step_in_epoch:
         saved_by = counted(state.num_processes, "process", "processes")

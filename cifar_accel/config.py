@@ -944,6 +944,23 @@ ACTS_ONLY_WITH: dict[str, tuple[str, typing.Callable[[Any], bool], str]] = {
 }  # not hub_token: a credential, often set for every command alike, that nothing writes where it is idle
 
 
+def as_flags(values: dict[str, Any]) -> str:
+    """The train flags that set these fields to these values, quoted for a shell; a text field unset, which only
+    leaving its flag out gives, is named as one to leave out."""
+    given, left_out = [], []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            given.append(f"--{name}" if value else f"--no-{name}")
+        elif value is None and not _unsettable(name):
+            left_out.append(f"--{name}")
+        else:
+            given.append(f"--{name} {shlex.quote('none' if value is None else str(value))}")
+    parts = [" ".join(given)] if given else []
+    if left_out:
+        parts.append(f"without {', '.join(left_out)}")
+    return ", ".join(parts)
+
+
 def _shown(value: Any) -> str:
     """A field's value as the refusals write it: booleans as on and off, text quoted."""
     if isinstance(value, bool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from cifar_accel.config import (
     TrainConfig,
     _field,
     build_parser,
+    given_flags,
     load_config,
     read_config_file,
     resolve_mixed_precision,
@@ -281,6 +283,26 @@ def test_every_field_says_what_a_resume_may_do_with_it():
         check_resume(Path("step_00000009"), state, changed, num_processes=1)
     with pytest.raises(TypeError, match="resume"):
         _field(1, "a field that says nothing about resuming")
+
+
+def test_the_flags_a_refused_resume_names_give_the_checkpoints_settings_back():
+    """The refusal named the differing settings and told the user to add --config with the run's config.yaml, even
+    where that was given and a flag was what differed. It names the flags that give the checkpoint's values back:
+    they parse to those values (a boolean as --x or --no-x, a number unset as none, text quoted for a shell), and a
+    text setting the checkpoint left unset is named as one to leave out."""
+    checkpoint = dict(dataset_name="/data/my cifar", image_column_name=None, augment=False, max_train_steps=None,
+                      learning_rate=0.003)  # fmt: skip
+    now = dict(dataset_name="/data/cifar", image_column_name="img", augment=True, max_train_steps=50,
+               learning_rate=0.001)  # fmt: skip
+    state = TrainerState(config_fingerprint=config_fingerprint(TrainConfig(**checkpoint), mixed_precision="no"))
+    with pytest.raises(InputError) as refused:
+        check_resume(Path("step_00000009"), state, config_fingerprint(TrainConfig(**now), "no"), num_processes=1)
+    named = str(refused.value).split("resume with its settings (")[1].removesuffix("), or start a new --output_dir")
+    flags, left_out = named.split(", without ")
+    assert left_out == "--image_column_name"
+    assert flags == "--dataset_name '/data/my cifar' --no-augment --max_train_steps none --learning_rate 0.003"
+    given = {name: value for name, value in given_flags(shlex.split(flags)).items() if name in checkpoint}
+    assert given == {name: value for name, value in checkpoint.items() if name != "image_column_name"}
 
 
 def test_a_checkpoint_that_recorded_a_relative_dataset_path_resumes_with_the_absolute_one(tmp_path, monkeypatch):

@@ -160,18 +160,22 @@ def test_resume_with_a_different_config_or_a_missing_checkpoint_is_refused(tiny_
     assert "different config" in line and "seed: checkpoint 42, now 7" in line
     assert "learning_rate: checkpoint 0.001, now 0.01" in line
     settings = out / "config.yaml"
-    assert line.endswith(f"resume with the original settings: add --config {settings} (flags still override it), "
-                         "or start a new --output_dir")  # fmt: skip
+    assert line.endswith(f"resume with its settings (--learning_rate 0.001 --seed 42; all of the run's are in "
+                         f"{settings}, for --config), or start a new --output_dir")  # fmt: skip
 
     proc = run_cli([*args, "--resume_from_checkpoint", str(tmp_path / "nope")], cli_env)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
-    # The fix the line names: the run's own config, with only the fields a resume may change given again.
-    resumed = ["--config", str(settings), "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"]
-    proc = run_cli(resumed, cli_env)
+    # The fixes the line names: the flags it names, and the run's own config with only the fields a resume may
+    # change given again.
+    proc = run_cli([*args, "--resume_from_checkpoint", "latest", "--learning_rate", "0.001", "--seed", "42"], cli_env)
     assert proc.returncode == 0, proc.stderr
     assert read_results(out)["epochs_completed"] == 2
+    resumed = ["--config", str(settings), "--num_train_epochs", "3", "--resume_from_checkpoint", "latest"]
+    proc = run_cli(resumed, cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert read_results(out)["epochs_completed"] == 3
 
 
 def test_refuses_an_output_dir_that_holds_another_run(tiny_dataset, cli_env, tmp_path):
