@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cifar_accel.precision import hardware_advice, native_bf16
 
-from conftest import read_results, run_cli, tiny_args, train_in_process
+from conftest import read_results, run_cli, snapshot, tiny_args, train_in_process
 
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
 
@@ -176,6 +176,24 @@ def test_resume_with_a_different_config_or_a_missing_checkpoint_is_refused(tiny_
     proc = run_cli(resumed, cli_env)
     assert proc.returncode == 0, proc.stderr
     assert read_results(out)["epochs_completed"] == 3
+
+
+def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, tmp_path):
+    """A run in another run's checkpoints/ or logs/ trained there, and an --overwrite_output_dir of the other run
+    then set those folders aside and deleted them, the finished run inside with them. Now that is refused in one
+    line, exit 2, before anything is written; a folder of the run's own name beside its files is not one of them."""
+    outer = tmp_path / "outer"
+    assert train_here(tiny_args(tiny_dataset, outer)).returncode == 0
+    before = snapshot(tmp_path)
+    for inside, folder in ((outer / "checkpoints", "checkpoints"), (outer / "logs" / "a" / "b", "logs")):
+        proc = train_here(tiny_args(tiny_dataset, inside))
+        assert (proc.returncode, proc.stderr) == (
+            2,
+            f"error: '{inside}' is part of {folder}/, a folder that the run in '{outer}' manages (an "
+            "--overwrite_output_dir there deletes all of it); pick an --output_dir outside it\n",
+        )
+        assert snapshot(tmp_path) == before and not (outer / "logs" / "a").exists()
+    assert train_here(tiny_args(tiny_dataset, outer / "beside")).returncode == 0
 
 
 def test_refuses_an_output_dir_that_holds_another_run(tiny_dataset, cli_env, tmp_path):
