@@ -62,6 +62,7 @@ from cifar_accel.outputs import (
     CONFIG_FILE,
     RESULTS_FILE,
     OutputDirLock,
+    check_outside_other_runs,
     json_keys,
     refuse_foreign_files,
     save_atomic,
@@ -592,6 +593,7 @@ def main(argv: Sequence[str]) -> None:
     check_train_args(args, train_args, config)
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
+        check_outside_other_runs(output_dir)  # its runs go below it
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report
         refuse_foreign_files(output_dir, REPORT_FILES, "compare", ours)
         compare(args, argv, train_args, config, output_dir)

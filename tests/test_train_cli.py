@@ -178,20 +178,24 @@ def test_resume_with_a_different_config_or_a_missing_checkpoint_is_refused(tiny_
     assert read_results(out)["epochs_completed"] == 3
 
 
-def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, tmp_path):
+def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, cli_env, tmp_path):
     """A run in another run's checkpoints/ or logs/ trained there, and an --overwrite_output_dir of the other run
     then set those folders aside and deleted them, the finished run inside with them. Now that is refused in one
-    line, exit 2, before anything is written; a folder of the run's own name beside its files is not one of them."""
+    line, exit 2, before anything is written, by compare too (its runs go below its folder); a folder of the run's
+    own name beside its files is not one of them."""
     outer = tmp_path / "outer"
     assert train_here(tiny_args(tiny_dataset, outer)).returncode == 0
     before = snapshot(tmp_path)
     for inside, folder in ((outer / "checkpoints", "checkpoints"), (outer / "logs" / "a" / "b", "logs")):
         proc = train_here(tiny_args(tiny_dataset, inside))
-        assert (proc.returncode, proc.stderr) == (
-            2,
-            f"error: '{inside}' is part of {folder}/, a folder that the run in '{outer}' manages (an "
-            "--overwrite_output_dir there deletes all of it); pick an --output_dir outside it\n",
-        )
+        compared = run_cli(["--dataset_name", str(tiny_dataset), "--output_dir", str(inside), "--precisions", "no"],
+                           cli_env, module="cifar_accel.compare")  # fmt: skip
+        for refused in (proc, compared):
+            assert (refused.returncode, refused.stderr) == (
+                2,
+                f"error: '{inside}' is part of {folder}/, a folder that the run in '{outer}' manages (an "
+                "--overwrite_output_dir there deletes all of it); pick an --output_dir outside it\n",
+            )
         assert snapshot(tmp_path) == before and not (outer / "logs" / "a").exists()
     assert train_here(tiny_args(tiny_dataset, outer / "beside")).returncode == 0
 
