@@ -11,7 +11,6 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from cifar_accel.config import TrainConfig, config_yaml, looks_like_path
-from cifar_accel.data import CIFAR10_CLASSES
 from cifar_accel.errors import counted
 from cifar_accel.outputs import (
     CARD_FILE,
@@ -27,7 +26,7 @@ from cifar_accel.outputs import (
 from cifar_accel.plots import pyplot
 from cifar_accel.state import EpochRecord, RunResults, epochs_text
 from cifar_accel.trackers import run_name
-from cifar_accel.transforms import CIFAR10_NORMALIZATION
+from cifar_accel.transforms import CIFAR10_CLASSES, CIFAR10_NORMALIZATION
 
 logger = logging.getLogger(__name__)  # not Accelerate's: export writes cards with no Accelerator
 

@@ -33,13 +33,11 @@ from cifar_accel.errors import InputError, RunFault, counted, first_ones, not_te
 from cifar_accel.images import GIT_LFS_FIX, IMAGE_SIZE, GitLfsPointer, git_lfs_pointer, image_to_rgb32, to_rgb32
 from cifar_accel.outputs import disk_full, fix_for
 from cifar_accel.progress import progress
-from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization
+from cifar_accel.transforms import CIFAR10_NORMALIZATION, Normalization, normalized_by_cifar10_constants
 
 E = typing.TypeVar("E", bound=BaseException)
 
 logger = logging.getLogger(__name__)
-
-CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
 DATASET_LAYOUTS = "Hub layout: data/train-*.parquet; image folder: train/<class>/"
@@ -510,8 +508,9 @@ def computed_normalization(split: Split, dataset_name: str) -> Normalization:
 def choose_normalization(config: TrainConfig, train: Split, class_names: list[str]) -> Normalization:
     """What ``--normalization`` asks for: CIFAR-10's constants, or statistics computed from the training split
     (``auto``: the constants for a dataset with CIFAR-10's classes, computed for any other)."""
-    cifar10 = config.normalization == "cifar10" or (config.normalization == "auto" and class_names == CIFAR10_CLASSES)
-    return CIFAR10_NORMALIZATION if cifar10 else computed_normalization(train, config.dataset_name)
+    if normalized_by_cifar10_constants(config.normalization, class_names):
+        return CIFAR10_NORMALIZATION
+    return computed_normalization(train, config.dataset_name)
 
 
 MAX_NUMBERED_CLASSES = 100_000  # ImageNet-21k has 21,841; a larger label is an id or a value, not a class number

@@ -47,7 +47,12 @@ from cifar_accel.outputs import (
     WEIGHTS_FILE,
     set_aside_note,
 )
-from cifar_accel.transforms import CIFAR10_NORMALIZATION, BatchTransform, Normalization
+from cifar_accel.transforms import (
+    CIFAR10_NORMALIZATION,
+    BatchTransform,
+    Normalization,
+    normalized_by_cifar10_constants,
+)
 
 EXPECTED_IMAGES = (
     "a non-empty list of PIL images or image files, or a uint8 tensor of shape (N, 3, 32, 32) or (3, 32, 32)"
@@ -204,12 +209,18 @@ def read_class_names(path: Path) -> list[str]:
     return names
 
 
-def read_normalization(run_dir: Path) -> Normalization:
-    """The input normalisation a run trained with (preprocessing.json); a run written before the file existed
-    normalised with CIFAR-10's constants. A damaged file is refused in one line."""
+def read_normalization(run_dir: Path, config: TrainConfig, class_names: list[str]) -> Normalization:
+    """The input normalisation a run of ``config`` and ``class_names`` trained with (preprocessing.json). Without
+    the file, CIFAR-10's constants where the run took them, as a run written before the file existed did; statistics
+    of its data, which only the file holds, refused in one line, as a damaged file is."""
     path = run_dir / PREPROCESSING_FILE
-    if not path.exists():
+    if not path.exists() and normalized_by_cifar10_constants(config.normalization, class_names):
         return CIFAR10_NORMALIZATION
+    if not path.exists():
+        raise InputError(
+            f"{path} is missing: the run normalised its inputs by statistics of its training images, which it wrote "
+            "there and nowhere else; copy it back from another copy of the run, or train again"
+        )
     try:
         return Normalization.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -290,5 +301,5 @@ def load_model(path: str | Path) -> TrainedModel:
             f"weights in '{weights}' do not fit model '{config.model_name}' with {len(class_names)} classes "
             f"({one_line(err)[:300]})"
         ) from None
-    preprocess = BatchTransform(read_normalization(run_dir), channels_last=config.channels_last)
+    preprocess = BatchTransform(read_normalization(run_dir, config, class_names), channels_last=config.channels_last)
     return TrainedModel(model.eval(), preprocess, class_names, config, weights)

@@ -57,6 +57,13 @@ class Normalization:
 
 
 CIFAR10_NORMALIZATION = Normalization(CIFAR10_MEAN, CIFAR10_STD, "CIFAR-10's published constants")
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def normalized_by_cifar10_constants(normalization: str, class_names: list[str]) -> bool:
+    """Whether ``--normalization`` takes CIFAR-10's constants for a dataset of these classes (``auto``: for
+    CIFAR-10's own), rather than statistics computed from its training split."""
+    return normalization == "cifar10" or (normalization == "auto" and class_names == CIFAR10_CLASSES)
 
 
 def random_crop_and_flip(

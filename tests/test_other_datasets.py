@@ -182,7 +182,7 @@ def test_the_normalization_flag_chooses_the_constants_or_the_datasets_own():
         computed_normalization(uint8_split([[5, 100, 10], [5, 120, 30]]), "d")
 
 
-def test_a_damaged_preprocessing_file_is_refused_in_one_line(cifar100_run, tmp_path):
+def test_a_damaged_or_missing_preprocessing_file_is_refused_in_one_line(cifar100_run, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     for name in ("model.safetensors", "config.yaml", "labels.json"):
@@ -191,5 +191,12 @@ def test_a_damaged_preprocessing_file_is_refused_in_one_line(cifar100_run, tmp_p
         (run / "preprocessing.json").write_text(damage)
         with pytest.raises(InputError, match="preprocessing.json cannot be read .*'mean', 'std' and 'source'"):
             load_model(run)
-    (run / "preprocessing.json").unlink()  # a run written before the file existed used CIFAR-10's constants
+    # Missing, it was taken for a run written before the file existed, which used CIFAR-10's constants: this run,
+    # normalised by its own statistics, predicted with the wrong ones. Only a run of the constants does without it.
+    (run / "preprocessing.json").unlink()
+    with pytest.raises(InputError, match="preprocessing.json is missing: the run normalised its inputs by statistics "):
+        load_model(run)
+    config = (run / "config.yaml").read_text()
+    assert "\nnormalization: auto\n" in config
+    (run / "config.yaml").write_text(config.replace("\nnormalization: auto\n", "\nnormalization: cifar10\n"))
     assert load_model(run).preprocess.normalization == CIFAR10_NORMALIZATION
