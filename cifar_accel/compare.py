@@ -591,9 +591,9 @@ def main(argv: Sequence[str]) -> None:
     logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     check_train_args(args, train_args, config)
+    check_outside_other_runs(Path(args.output_dir))  # its runs go below it: refused before the folder is made
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
-        check_outside_other_runs(output_dir)  # its runs go below it
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report
         refuse_foreign_files(output_dir, REPORT_FILES, "compare", ours)
         compare(args, argv, train_args, config, output_dir)

@@ -214,9 +214,9 @@ def read_normalization(run_dir: Path, config: TrainConfig, class_names: list[str
     the file, CIFAR-10's constants where the run took them, as a run written before the file existed did; statistics
     of its data, which only the file holds, refused in one line, as a damaged file is."""
     path = run_dir / PREPROCESSING_FILE
-    if not path.exists() and normalized_by_cifar10_constants(config.normalization, class_names):
-        return CIFAR10_NORMALIZATION
     if not path.exists():
+        if normalized_by_cifar10_constants(config.normalization, class_names):
+            return CIFAR10_NORMALIZATION
         raise InputError(
             f"{path} is missing: the run normalised its inputs by statistics of its training images, which it wrote "
             "there and nowhere else; copy it back from another copy of the run, or train again"
