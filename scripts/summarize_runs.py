@@ -1,5 +1,6 @@
-"""Print a Markdown table of finished runs from their results.json files, and with several runs (seeds of one
-recipe) their mean and minimum test accuracy, with and without test-time augmentation.
+"""Print a Markdown table of finished runs from their results.json files, and with several seeds of one recipe
+their mean and minimum test accuracy, with and without test-time augmentation (runs that differ in more than the
+seed get the table, and what keeps them apart instead).
 
 python scripts/summarize_runs.py outputs/full_no outputs/full_bf16
 python scripts/summarize_runs.py outputs/fast_seed0 outputs/fast_seed1 outputs/fast_seed2
@@ -12,8 +13,26 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from cifar_accel.compare import config_differences
+from cifar_accel.config import CONFIG_FILE, TrainConfig, read_config_file
 from cifar_accel.errors import InputError, exit_command
-from cifar_accel.state import epochs_text, read_results
+from cifar_accel.state import RunResults, epochs_text, read_results
+
+
+def recipe_differences(run_dirs: list[Path], runs: list[RunResults]) -> list[str]:
+    """What keeps the runs from being seeds of one recipe: per run after the first, the settings other than the
+    seed in which its config.yaml differs from the first run's, and the precision in effect where it differs."""
+    try:
+        first = TrainConfig(**read_config_file(run_dirs[0] / CONFIG_FILE))
+    except InputError:
+        return [f"no readable {run_dirs[0] / CONFIG_FILE}"]
+    differences = []
+    for run_dir, results in zip(run_dirs[1:], runs[1:], strict=True):
+        found = config_differences(run_dir, first, ignore=("seed", "mixed_precision"))
+        if results.mixed_precision != runs[0].mixed_precision:
+            found.append(f"precision {results.mixed_precision!r} (not {runs[0].mixed_precision!r})")
+        differences += [f"{run_dir} has {', '.join(found)}"] if found else []
+    return differences
 
 
 def main(argv: Sequence[str]) -> None:
@@ -36,7 +55,10 @@ def main(argv: Sequence[str]) -> None:
             f"{results.seconds_per_epoch:.1f} | {results.train_images_per_second:.0f} | {minutes:.1f} | {best} | "
             f"{results.test_accuracy:.4f} (TTA {results.tta}) | {results.test_accuracy_no_tta:.4f} |"
         )
-    if len(runs) > 1:
+    differences = recipe_differences([Path(run_dir) for run_dir in run_dirs], runs) if len(runs) > 1 else []
+    if differences:
+        print(f"\nno mean: the runs are not seeds of one recipe ({'; '.join(differences)})")
+    elif len(runs) > 1:
         with_tta = [results.test_accuracy for results in runs]
         without = [results.test_accuracy_no_tta for results in runs]
         print(f"\n{len(runs)} runs: test accuracy mean {statistics.mean(with_tta):.4f}, min {min(with_tta):.4f}; "

@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from cifar_accel import compare, export, predict
@@ -531,3 +532,33 @@ def test_summarize_runs_tables_finished_runs_and_refuses_a_folder_without_result
     assert run_main(summarize_runs.main, [str(copy), str(tmp_path / "link")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"error: '{tmp_path / 'link'}' is the run '{copy}' again; give each run once\n"
+
+
+def with_changes(run: Path, folder: Path, config: dict | None = None, results: dict | None = None) -> Path:
+    """A copy of ``run`` whose config.yaml and results.json say it was trained with other values."""
+    copy = shutil.copytree(run, folder)
+    for name, changes in (("config.yaml", config), ("results.json", results)):
+        text = (copy / name).read_text()
+        values = yaml.safe_load(text) if name.endswith(".yaml") else json.loads(text)
+        values.update(changes or {})
+        (copy / name).write_text(yaml.safe_dump(values) if name.endswith(".yaml") else json.dumps(values))
+    return copy
+
+
+def test_summarize_runs_averages_seeds_of_one_recipe_only(trained_run, tmp_path, capsys):
+    """A mean over runs of other settings or precisions (fp32 beside bf16, say) is no recipe's result: those get
+    the table, and what keeps them apart instead."""
+    seed = with_changes(trained_run, tmp_path / "seed", config={"seed": 7}, results={"test_accuracy": 0.25})
+    rate = with_changes(trained_run, tmp_path / "rate", config={"learning_rate": 0.5})
+    bf16 = with_changes(trained_run, tmp_path / "bf16", results={"mixed_precision": "bf16"})
+    accuracy = read_results(trained_run)["test_accuracy"]
+    assert run_main(summarize_runs.main, [str(trained_run), str(seed)]) == 0
+    out = capsys.readouterr().out
+    assert f"2 runs: test accuracy mean {(accuracy + 0.25) / 2:.4f}, min 0.2500" in out
+    assert run_main(summarize_runs.main, [str(trained_run), str(seed), str(rate), str(bf16)]) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("| ")]) == 5 and "runs: test accuracy" not in out
+    assert out.endswith(
+        f"no mean: the runs are not seeds of one recipe ({rate} has learning_rate 0.5 (not 0.001); {bf16} has "
+        "precision 'bf16' (not 'no'))\n"
+    )
