@@ -136,6 +136,11 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
         path = found[-1]
     else:
         path = Path(spec)
+        if path.exists() and not path.is_dir():
+            raise InputError(
+                f"'{spec}' is a file, where a resume needs a checkpoint folder (a run's checkpoints/step_N, with the "
+                "optimizer's state); pass one, 'latest' or 'auto'"
+            )
         if not path.is_dir():
             raise InputError(f"checkpoint '{spec}' does not exist; pass a checkpoint folder, 'latest' or 'auto'")
         if not (path / STATE_FILE).is_file():
@@ -145,7 +150,8 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> tuple[Path, Trainer
                     f"'{spec}' holds checkpoints but is not one; pass one, such as the newest: {inside[-1]}"
                 )
             raise InputError(
-                f"checkpoint '{spec}' is incomplete (no {STATE_FILE}); resume from another one or 'latest'"
+                f"'{spec}' is not a complete checkpoint (it has no {STATE_FILE}, which a checkpoint's writing ends "
+                "with); pass a checkpoint folder (a run's checkpoints/step_N), 'latest' or 'auto'"
             )
     return path, read_trainer_state(path)
 

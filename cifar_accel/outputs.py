@@ -121,11 +121,11 @@ def is_own_checkpoint(path: str | Path, output_dir: str | Path) -> bool:
 def starts_a_history(config: TrainConfig, output_dir: Path) -> bool:
     """Whether the run writes a history of its own into ``output_dir``: it starts from scratch, or resumes another
     folder's checkpoint (a fork); not when it goes on from one of the folder's own ('latest', or a path there).
-    'auto' is resolved to one or the other before this is asked; a path that is no folder is left to
-    ``resolve_checkpoint`` to refuse."""
+    'auto' is resolved to one or the other before this is asked; a path that is no checkpoint (a file, a run's
+    folder, its checkpoints/) is left to ``resolve_checkpoint`` to refuse, naming what it is."""
     resume = config.resume_from_checkpoint
     return resume is None or (
-        resume != "latest" and Path(resume).is_dir() and not is_own_checkpoint(resume, output_dir)
+        resume != "latest" and (Path(resume) / STATE_FILE).is_file() and not is_own_checkpoint(resume, output_dir)
     )
 
 

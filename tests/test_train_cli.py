@@ -15,6 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cifar_accel.outputs import complete_checkpoints
 from cifar_accel.precision import hardware_advice, native_bf16
 
 from conftest import read_results, run_cli, snapshot, tiny_args, train_in_process
@@ -176,6 +177,34 @@ def test_resume_with_a_different_config_or_a_missing_checkpoint_is_refused(tiny_
     proc = run_cli(resumed, cli_env)
     assert proc.returncode == 0, proc.stderr
     assert read_results(out)["epochs_completed"] == 3
+
+
+def test_resuming_from_what_is_no_checkpoint_names_what_it_is(tiny_dataset, train_here, tmp_path):
+    """A run's own folder or its checkpoints/ given as the checkpoint was refused as 'another folder's checkpoint'
+    that would write a second history over the run, and its weights file as a checkpoint that 'does not exist'.
+    Each is refused for what it is, in one line, exit 2, every file unchanged; the checkpoint named then resumes."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100")
+    assert train_here(args).returncode == 0
+    (newest,) = complete_checkpoints(out)
+    before = snapshot(tmp_path)
+    resume = [*args, "--num_train_epochs", "2", "--resume_from_checkpoint"]
+    for given in (out, out / "checkpoints"):
+        proc = train_here([*resume, str(given)])
+        assert (proc.returncode, proc.stderr) == (
+            2, f"error: '{given}' holds checkpoints but is not one; pass one, such as the newest: {newest}\n"
+        )  # fmt: skip
+    proc = train_here([*resume, str(out / "model.safetensors")])
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"error: '{out / 'model.safetensors'}' is a file, where a resume needs a checkpoint folder (a run's "
+        "checkpoints/step_N, with the optimizer's state); pass one, 'latest' or 'auto'\n",
+    )
+    proc = train_here([*resume, str(out / "logs")])
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: '{out / 'logs'}' is not a complete checkpoint")
+    assert snapshot(tmp_path) == before
+    assert train_here([*resume, str(newest)]).returncode == 0
+    assert read_results(out)["epochs_completed"] == 2
 
 
 def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, cli_env, tmp_path):
