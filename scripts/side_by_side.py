@@ -73,6 +73,14 @@ def stop(pids: list[int]) -> None:
         os.waitpid(pid, 0)
 
 
+def what_went_wrong(log: Path) -> str:
+    """The line of a failed script's log that says why, as ': line': a run's one-line error ('error: ...'), else the
+    log's last line (a traceback ends with the exception); '' for an empty log."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    said = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")] or lines[-1:]
+    return f": {said[-1]}" if said else ""
+
+
 def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dict[str, dict[str, float]]:
     """Wait for every process of ``runs``, each timed when it exits (whichever exits first): its wall and CPU
     seconds (user + system, its children included). Ctrl-C stops both, and the script; so does either failing,
@@ -89,7 +97,8 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
         name, code = names.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0:
             stop(list(names))
-            sys.exit(f"error: the {name} failed (exit code {code}); see {folder / f'{name}.log'}")
+            log = folder / f"{name}.log"
+            sys.exit(f"error: the {name} failed (exit code {code}){what_went_wrong(log)}; see {log}")
         times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
     return times
 
@@ -109,8 +118,8 @@ def preset_flags(args: argparse.Namespace, train_args: list[str], seed: int, run
 def commands(args: argparse.Namespace, seed: int, flags: list[str]) -> dict[str, list[str]]:
     anchor = [sys.executable, args.anchor, args.dataset_name, "--precision", args.precision, "--seed", str(seed)]
     preset = [
-        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-        "--dynamo_backend", "no", "-m", "cifar_accel.train", *flags,
+        sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--cpu", "--num_processes", "1",
+        "--num_machines", "1", "--dynamo_backend", "no", "-m", "cifar_accel.train", *flags,
     ]  # fmt: skip
     return {"anchor": anchor, "preset": preset}
 

@@ -205,6 +205,25 @@ def test_an_anchor_that_fails_stops_the_preset_and_the_script(tiny_dataset, cli_
     assert not (out / "no_seed0" / "results.json").exists() and not (out / "seed0" / "pair.json").exists()
 
 
+def test_a_preset_that_refuses_its_input_says_why_in_the_scripts_line(tiny_dataset, cli_env, tmp_path):
+    """The preset refused a batch larger than the data: the script said only 'the preset failed (exit code 1)',
+    and its log held the launcher's traceback around the run's line. Now the script's line carries the run's, the
+    log has no traceback, and the anchor is stopped."""
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text("import time\ntime.sleep(600)\n")
+    out = tmp_path / "pair"
+    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, "--per_device_train_batch_size", "5000",
+                        anchor=anchor)  # fmt: skip
+    log = out / "seed0" / "preset.log"
+    assert (proc.returncode, proc.stderr) == (
+        1,
+        "error: the preset failed (exit code 1): 327 training images are fewer than one batch of 5000; lower "
+        f"--per_device_train_batch_size; see {log}\n",
+    )
+    assert "Traceback" not in log.read_text()
+    assert running_commands_naming(out) == []
+
+
 def test_the_script_killed_by_sigkill_takes_both_scripts_down(tiny_dataset, cli_env, tmp_path):
     """Nothing of the script runs after SIGKILL to stop the pair: the anchor and the launcher asked the kernel for
     SIGTERM when the script ends, and the preset's run for SIGTERM when the launcher ends, so neither trains on."""
