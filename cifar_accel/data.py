@@ -285,9 +285,15 @@ def generation_failure(err: datasets.exceptions.DatasetGenerationError) -> str:
     return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
 
 
-def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str, ...], split_flag: str | None) -> None:
+def check_splits(
+    raw: datasets.DatasetDict,
+    dataset_name: str,
+    splits: tuple[str, ...],
+    split_flag: str | None,
+    also: tuple[str, ...] = (),
+) -> None:
     """``splits`` must be present in ``raw``, the dataset ``dataset_name``; ``split_flag``, where it chose them, is
-    the fix named when one is not."""
+    the fix named when one is not, with the splits of ``raw`` and those in ``also`` to choose from."""
     for split in splits:
         if split not in raw:
             name = split.partition("[")[0]
@@ -301,7 +307,9 @@ def check_splits(raw: datasets.DatasetDict, dataset_name: str, splits: tuple[str
                 if split_flag
                 else f"add a '{split}' split (Hub layout: data/{split}-*.parquet; image folder: {split}/<class>/)"
             )
-            raise InputError(f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join(raw)}); {fix}")
+            raise InputError(
+                f"dataset '{dataset_name}' has no '{split}' split (splits: {', '.join([*raw, *also])}); {fix}"
+            )
 
 
 IMAGE_SOURCE_DTYPES = ("string", "large_string", "binary", "large_binary")  # file paths or encoded bytes
@@ -645,7 +653,9 @@ def load_split(
             f"pick one of its splits ({', '.join(raw)}) with {split_flag}"
         )
     source = "train" if held_out else split
-    check_splits(raw, dataset_name, (source,), split_flag)
+    held_out_too = run is not None and run.val_ratio > 0 and "validation" not in raw
+    also = ("validation (the run's, held out of train)",) if held_out_too else ()
+    check_splits(raw, dataset_name, (source,), split_flag, also)
     image_column, label_column = find_columns(raw[source].features, image_column, label_column)
     raw = named_classes(raw, label_column)
     if held_out:

@@ -82,6 +82,11 @@ def test_the_validation_images_a_run_held_out_are_evaluated_to_its_best_validati
     assert run_main(evaluate_command.main, argv) == 2
     assert capsys.readouterr().err == (f"error: dataset '{tmp_path / 'other'}' has no 'validation' split (splits: "
                                        "train, test); pick one of them with --split\n")  # fmt: skip
+    assert run_main(evaluate_command.main, ["--model", str(trained_run), "--split", "val"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: dataset '{tiny_dataset}' has no 'val' split (splits: train, test, validation (the run's, held out of "
+        "train)); pick one of them with --split\n"
+    )
     assert train_in_process(tiny_args(tiny_dataset, tmp_path / "ten", "--max_eval_samples", "10")) == 0
     assert run_main(evaluate_command.main, ["--model", str(tmp_path / "ten"), "--split", "validation"]) == 0
     metrics = json.loads((tmp_path / "ten" / "eval_validation" / "metrics.json").read_text())  # as many as it validated
