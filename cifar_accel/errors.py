@@ -22,6 +22,7 @@ import threading
 import types
 import typing
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -139,6 +140,19 @@ def path_problem(path: str, text: bool = True) -> str | None:
         return problem
     if problem := too_long(path):
         return f"{problem}; use a shorter one"
+    return link_to_nothing(path)
+
+
+def link_to_nothing(path: str) -> str | None:
+    """Why ``path`` leads nowhere through a symbolic link, itself or a folder above it (whose target is missing, or
+    links back in a loop), where every file call on it would fail (a loop even as a RuntimeError of pathlib's);
+    None where no link of it does."""
+    for link in (Path(path), *Path(path).parents):
+        if link.is_symlink() and not link.exists():
+            return (
+                f"goes through the symbolic link '{link}' -> '{os.readlink(link)}', which leads to nothing (its "
+                "target is missing, or the links loop); fix the link, or use another path"
+            )
     return None
 
 

@@ -142,6 +142,43 @@ def test_load_model_refuses_a_path_too_long_for_the_file_system(tmp_path):
         assert str(refused.value).startswith(f"the path {words}") and str(refused.value).endswith("use a shorter one")
 
 
+LOOP_LINE = ("goes through the symbolic link 'loop' -> 'loop', which leads to nothing (its target is missing, or the "
+             "links loop); fix the link, or use another path")  # fmt: skip
+GONE_LINE = LOOP_LINE.replace("'loop' -> 'loop'", "'gone' -> 'missing/target'")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [
+        (train, ["--output_dir", "loop"], f"--output_dir: 'output_dir' {LOOP_LINE}"),
+        (train, ["--output_dir", "loop/run"], f"--output_dir: 'output_dir' {LOOP_LINE}"),
+        (train, ["--output_dir", "gone"], f"--output_dir: 'output_dir' {GONE_LINE}"),
+        (train, ["--dataset_name", "loop"], f"--dataset_name: 'dataset_name' {LOOP_LINE}"),
+        (train, ["--resume", "gone/checkpoints/step_1"], f"--resume_from_checkpoint: 'resume_from_checkpoint' "
+                                                          f"{GONE_LINE}"),
+        (train, ["--config", "loop"], f"--config: the path {LOOP_LINE}"),
+        (evaluate, ["--model", "gone"], f"argument --model: the path {GONE_LINE} (see --help)"),
+        (evaluate, ["--model", "run", "--output_dir", "loop/eval"], f"argument --output_dir: the path {LOOP_LINE}"),
+        (predict, ["--model", "run", "gone"], f"argument images: the path {GONE_LINE} (see --help)"),
+        (export, ["--model", "run", "--output", "loop/m.onnx"], f"argument --output: the path {LOOP_LINE}"),
+        (compare, ["--output_dir", "gone"], f"argument --output_dir: the path {GONE_LINE} (see --help)"),
+    ],
+    ids=["output-dir", "output-dir-below", "output-dir-dangling", "dataset", "resume", "config", "evaluate",
+         "evaluate-output", "predict", "export", "compare"],
+)  # fmt: skip
+def test_every_path_through_a_link_to_nothing_is_refused_naming_the_link(module, argv, line, capsys, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """A symbolic link in a loop stopped training with pathlib's 'RuntimeError: Symlink loop', exit 1; one to a
+    missing target was 'not writable (File exists)' as an --output_dir, a dataset 'not on the Hub', a model with
+    'no weights'. Every path is refused in one line naming the link and where it points, before anything is made."""
+    monkeypatch.chdir(tmp_path)
+    Path("loop").symlink_to("loop")
+    Path("gone").symlink_to("missing/target")
+    code, out, err = run_entry_point(module, argv, capsys)
+    assert (code, out) == (2, "") and err.startswith(f"error: {line}") and err.count("\n") == 1, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gone", "loop"]  # nothing made
+
+
 NOT_UTF8 = os.fsdecode(b"runs_\xe9")  # a Latin-1 name, as Linux allows: 'runs_\udce9' to Python
 NOT_UTF8_LINE = "holds a name that is not UTF-8 text ('runs_\\xe9'); rename it"
 
