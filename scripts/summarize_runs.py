@@ -8,14 +8,13 @@ python scripts/summarize_runs.py outputs/fast_seed0 outputs/fast_seed1 outputs/f
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from cifar_accel.compare import config_differences
 from cifar_accel.config import CONFIG_FILE, TrainConfig, read_config_file
-from cifar_accel.errors import InputError, exit_command
+from cifar_accel.errors import ArgumentParser, InputError, exit_command, user_path
 from cifar_accel.state import RunResults, epochs_text, read_results
 
 
@@ -36,8 +35,10 @@ def recipe_differences(run_dirs: list[Path], runs: list[RunResults]) -> list[str
 
 
 def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", help="Run folders, each with the results.json of a finished run.")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "run_dirs", nargs="+", type=user_path, help="Run folders, each with the results.json of a finished run."
+    )
     run_dirs = parser.parse_args(argv).run_dirs
     for index, run_dir in enumerate(run_dirs):  # a run given twice would count twice in the mean
         if same := next((d for d in run_dirs[:index] if Path(d).resolve() == Path(run_dir).resolve()), None):

@@ -537,6 +537,11 @@ def test_summarize_runs_tables_finished_runs_and_refuses_a_folder_without_result
     assert run_main(summarize_runs.main, [str(copy), str(tmp_path / "link")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"error: '{tmp_path / 'link'}' is the run '{copy}' again; give each run once\n"
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)  # stopped with pathlib's RuntimeError, exit 1
+    assert run_main(summarize_runs.main, [str(copy), str(loop)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: argument run_dirs: the path goes through the symbolic link '{loop}'")
 
 
 def with_changes(run: Path, folder: Path, config: dict | None = None, results: dict | None = None) -> Path:
