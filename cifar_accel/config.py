@@ -458,6 +458,19 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
+class OneConfig(argparse.Action):
+    """--config's value, refused when given a second time: argparse would keep the last and drop the first's values
+    without a word (a preset, then a file of a few values, trained the default recipe with those)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, _: Any = None):
+        if hasattr(namespace, self.dest):
+            raise InputError(
+                f"--config is given twice ('{getattr(namespace, self.dest)}', then '{value}'), and a run "
+                "reads one config: give one, and the values to change as flags (or in a copy of its file)"
+            )
+        setattr(namespace, self.dest, value)
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="cifar_accel.train",
@@ -467,6 +480,7 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--config",
+        action=OneConfig,
         help=f"A packaged preset ({', '.join(preset_names())}) or a YAML file of config values; flags override it.",
     )
     parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")

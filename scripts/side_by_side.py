@@ -245,6 +245,11 @@ def main() -> None:
     for name, own in SET_FOR_BOTH.items():
         if name in given:
             parser.error(f"--{name} after -- would part the preset from its anchor; give {own} before --")
+    if "config" in given:
+        parser.error(
+            "--config after -- would train another recipe than the fast preset that the pair compares with its "
+            "anchor; give the preset's values to change as flags after --"
+        )
     if "resume_from_checkpoint" in given:
         parser.error(
             "--resume_from_checkpoint after -- is not needed: the same command skips the pairs done and runs an "

@@ -71,6 +71,21 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.learning_rate, config.num_train_epochs) == (0.25, 4)
 
 
+def test_a_second_config_is_refused_rather_than_dropping_the_first(tmp_path):
+    """argparse kept the last --config: a preset, then a file of two values, trained the default recipe with them."""
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.5\nnum_train_epochs: 4\n")
+    for argv, shown in ((["--config", "fast", "--config", str(path)], f"'fast', then '{path}'"),
+                        (["--config=fast", "--lr", "0.1", "--config", "fast"], "'fast', then 'fast'")):  # fmt: skip
+        with pytest.raises(InputError) as refused:
+            load_config(argv)
+        assert str(refused.value) == (
+            f"--config is given twice ({shown}), and a run reads one config: give one, and the values to change as "
+            "flags (or in a copy of its file)"
+        )
+    assert load_config(["--config", "fast", "--lr", "0.5"])[0].model_name == "fast_net"
+
+
 def test_none_on_the_command_line_unsets_an_optional_number_that_the_config_file_gave(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_grad_norm: 1.0\nmax_train_samples: 100\nmax_train_steps: 7\nmax_eval_samples: 50\n")

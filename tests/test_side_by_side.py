@@ -267,6 +267,8 @@ def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(tiny_
          "--precision before --"),
         (["--resume", "latest"], "--resume_from_checkpoint after -- is not needed: the same command skips the pairs "
          "done and runs an unfinished one again from its start, as a pair is timed whole"),
+        (["--config", "mine.yaml"], "--config after -- would train another recipe than the fast preset that the pair "
+         "compares with its anchor; give the preset's values to change as flags after --"),
     ],
 )  # fmt: skip
 def test_preset_flags_that_the_pair_sets_for_both_scripts_are_refused(tmp_path, monkeypatch, capsys, flags, problem):
