@@ -48,6 +48,7 @@ from cifar_accel.config import (
     read_config_file,
 )
 from cifar_accel.errors import (
+    AddUp,
     ArgumentParser,
     InputError,
     RunFault,
@@ -93,11 +94,14 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--precisions",
         nargs="+",
+        action=AddUp,
         choices=PRECISIONS,
         default=list(PRECISIONS),
         help="Precisions to compare (default: all; those this machine lacks are skipped).",
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="One run per seed (default: 42).")
+    parser.add_argument(
+        "--seeds", nargs="+", action=AddUp, type=int, default=[42], help="One run per seed (default: 42)."
+    )
     parser.add_argument(
         "--jobs",
         type=positive_int,

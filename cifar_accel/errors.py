@@ -79,6 +79,15 @@ class PrintVersions(argparse.Action):
         parser.exit()
 
 
+class AddUp(argparse.Action):
+    """A list flag (``nargs="+"``) whose values add up when it is given again, where argparse keeps only the last
+    list: ``--seeds 0 1 --seeds 2`` is seeds 0, 1 and 2. The default stands until the flag is given."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any, _=None):
+        earlier = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if earlier is self.default else earlier), *values])
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage, and an
     unknown flag with the one it was probably meant to be; every command takes ``--version``."""

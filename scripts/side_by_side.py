@@ -43,7 +43,7 @@ from pathlib import Path
 from cifar_accel.compare import config_differences, listed_twice
 from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import load_data
-from cifar_accel.errors import user_path
+from cifar_accel.errors import AddUp, user_path
 from cifar_accel.state import read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--anchor", type=user_path, required=True, help="Path of airbench94_muon_cpu.py.")
     parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", action=AddUp, default=[0, 1, 2])
     parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
     parser.add_argument(
         "--one_after_other",

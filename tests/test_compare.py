@@ -20,7 +20,14 @@ import torch
 from PIL import Image
 
 from cifar_accel.checkpoint import complete_checkpoints
-from cifar_accel.compare import TrainingProcesses, add_ratios, check_loss_scale_logged, markdown, results_table
+from cifar_accel.compare import (
+    TrainingProcesses,
+    add_ratios,
+    build_parser,
+    check_loss_scale_logged,
+    markdown,
+    results_table,
+)
 from cifar_accel.compare import main as compare_cli
 from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_in_process
@@ -32,9 +39,12 @@ SEEDS = [42, 7]
 
 
 def compare_args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    """The module's comparison; --precisions or --seeds in ``extra`` replace its own (given twice, they add up)."""
+    lists = [] if "--precisions" in extra else ["--precisions", "no", "fp16", "bf16"]
+    lists += [] if "--seeds" in extra else ["--seeds", *map(str, SEEDS)]
     return tiny_args(
-        dataset, out, "--num_train_epochs", "2", "--max_train_samples", "150", "--precisions", "no", "fp16", "bf16",
-        "--seeds", *map(str, SEEDS), "--logging_steps", "2", "--jobs", "2", *extra,
+        dataset, out, "--num_train_epochs", "2", "--max_train_samples", "150", *lists, "--logging_steps", "2",
+        "--jobs", "2", *extra,
     )  # fmt: skip
 
 
@@ -387,6 +397,8 @@ TOKEN = (
         (["--seeds", "1", "-4"], "--seeds: 'seed' must be >= 0, got -4"),
         (["--seeds", "0", "2", "0"], "--seeds lists 0 more than once; give each once"),
         (["--precisions", "bf16", "no", "bf16"], "--precisions lists bf16 more than once; give each once"),
+        (["--seeds", "0", "2", "--seeds", "2"], "--seeds lists 2 more than once; give each once"),  # they add up
+        (["--precisions", "no", "--precisions", "no"], "--precisions lists no more than once; give each once"),
         (["--push_to_hub", "--hub_model_id", "me/cifar"], PUSH),
         (["--config", "{tmp}/push.yaml"], PUSH),
         (["--hub_token", "hf_secret4"], TOKEN),
@@ -398,9 +410,18 @@ def test_training_flags_that_compare_sets_per_run_are_refused_with_its_own(tiny_
     token in the command they record."""
     (tmp_path / "push.yaml").write_text("push_to_hub: true\n")
     flags = [flag.format(tmp=tmp_path) for flag in flags]
-    assert run_in_process(compare_cli, [*compare_args(tiny_dataset, tmp_path / "out"), *flags]) == 2
+    assert run_in_process(compare_cli, compare_args(tiny_dataset, tmp_path / "out", *flags)) == 2
     assert capsys.readouterr().err == f"error: {fix}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_seeds_and_precisions_given_again_add_up():
+    """argparse kept the last list: --precisions no --precisions bf16 compared bf16 alone, without a word."""
+    args, _ = build_parser().parse_known_args(["--precisions", "no", "--seeds", "1", "--precisions", "bf16",
+                                               "--seeds", "2", "3"])  # fmt: skip
+    assert (args.precisions, args.seeds) == (["no", "bf16"], [1, 2, 3])
+    args, _ = build_parser().parse_known_args([])
+    assert (args.precisions, args.seeds) == (["no", "fp16", "bf16"], [42])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on this machine's GPU")

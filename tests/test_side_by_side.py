@@ -282,9 +282,11 @@ def test_preset_flags_that_the_pair_sets_for_both_scripts_are_refused(tmp_path, 
     assert not out.exists()
 
 
-def test_a_seed_given_twice_is_refused(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("seeds", [["--seeds", "0", "1", "0"], ["--seeds", "1", "0", "--seeds", "0"]])
+def test_a_seed_given_twice_is_refused(tmp_path, monkeypatch, capsys, seeds):
+    """Also in a second --seeds, whose seeds add to the first's (argparse kept only the last list)."""
     out = tmp_path / "pair"
-    argv = ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), "--seeds", "0", "1", "0"]
+    argv = ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), *seeds]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as refused:
         side_by_side_script.main()
