@@ -105,6 +105,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: typing.Any = None) -> argparse.Namespace:
         parsed, unknown = self.parse_known_args(args, namespace)
+        if any(not word.startswith("-") for word in unknown) and self._get_positional_actions():
+            # Values after a flag that ends a list of positional ones (predict's images): parse them intermixed, as
+            # a shell user writes them (cat.png --top_k 1 dog.png).
+            parsed, unknown = self.parse_known_intermixed_args(args, namespace)
         if unknown:
             raise InputError(self.unknown_argument(unknown))
         return parsed

@@ -358,6 +358,20 @@ def test_predicts_table_gives_each_image_one_line_whatever_its_name(trained_run,
     assert [Path(row["file"]).name for row in rows] == ["new\nline.png", "plain.png", "tab\there.png", "broken\n.png"]
 
 
+def test_predict_takes_flags_between_its_images(trained_run, tmp_path, capsys):
+    """`predict --model RUN cat.png --top_k 1 dog.png` was refused: "unknown argument 'dog.png'"."""
+    names = ["cat.png", "dog.png", "frog.png"]
+    for name, image in zip(names, make_images(3, seed=9)[0], strict=True):
+        image.save(tmp_path / name)
+    cat, dog, frog = (str(tmp_path / name) for name in names)
+    argv = ["--model", str(trained_run), cat, "--top_k", "1", dog, "--format", "jsonl", frog]
+    assert run_main(predict.main, argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["file"] for row in rows] == [cat, dog, frog] and [len(row["top_k"]) for row in rows] == [1, 1, 1]
+    assert run_main(predict.main, ["--model", str(trained_run), cat, "--topk", "1", dog]) == 2
+    assert capsys.readouterr().err == "error: unknown argument '--topk'; did you mean '--top_k'?\n"
+
+
 def test_predict_skips_a_folders_unreadable_images_and_refuses_a_named_one(trained_run, cli_env, tmp_path, capsys):
     folder = tmp_path / "photos"
     folder.mkdir()
