@@ -641,7 +641,8 @@ def test_readers_treat_a_damaged_file_as_unfinished_or_refuse_it(finished_run, t
     # A split the dataset lacks is refused with the flag to fix, and the folders made for the report go again.
     assert run_cli(evaluate.main, ["--model", str(run), "--output_dir", str(tmp_path / "new" / "eval"), "--split",
                                    "valid"]) == 2  # fmt: skip
-    assert "no 'valid' split (splits: train, test); pick one of them with --split" in capsys.readouterr().err
+    assert ("no 'valid' split (splits: train, test, validation (the run's, held out of train)); pick one of them "
+            "with --split") in capsys.readouterr().err  # fmt: skip
     assert not (tmp_path / "new").exists()
 
 
