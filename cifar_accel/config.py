@@ -37,6 +37,10 @@ DEFAULT_CONFIG_FILE = PRESETS_DIR / "default.yaml"
 CONFIG_FILE = "config.yaml"  # the effective config a run writes into its folder (config_yaml)
 CONFIG_HEADER = "# The effective config of a cifar_accel training run"  # how a run's config.yaml is told from a user's
 SECRET_FIELD = "hub_token"  # never shown: not in config.yaml, the log, the trackers, nor an error line
+# How one command starts (from a checkpoint, over an earlier run), not a setting of the run: a run's config.yaml
+# records their defaults, and one that recorded the command's (written before) is read without them, so that
+# --config RUN/config.yaml starts a run set as that one, and resumes only where --resume_from_checkpoint says so.
+STARTING_FIELDS = ("overwrite_output_dir", "resume_from_checkpoint")
 
 
 # What a resumed run may do with a field: keep it as the checkpoint has it, or change it.
@@ -890,6 +894,8 @@ def load_config(argv: typing.Sequence[str]) -> tuple[TrainConfig, str]:
         # given: the output_dir it records may be relative to another folder, or name the run's folder before it
         # was moved or copied (a copy's resume would go on in the original).
         from_file["output_dir"] = str(config_file.parent)
+        for name in STARTING_FIELDS:
+            from_file.pop(name, None)
 
     values = {**from_file, **cli}
     for name, value in cli.items():
@@ -1044,8 +1050,10 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
 
 
 def config_yaml(config: TrainConfig) -> str:
-    """The config as the YAML text that ``read_config_file`` reads back, under ``CONFIG_HEADER``."""
-    return f"{CONFIG_HEADER}\n{yaml.dump(config.to_dict(), Dumper=ConfigDumper, sort_keys=False)}"
+    """The run's settings as the YAML text that ``read_config_file`` reads back, under ``CONFIG_HEADER``: the
+    ``STARTING_FIELDS`` of the command that started it at their defaults."""
+    values = config.to_dict() | {name: FIELDS[name].default for name in STARTING_FIELDS}
+    return f"{CONFIG_HEADER}\n{yaml.dump(values, Dumper=ConfigDumper, sort_keys=False)}"
 
 
 def flag_reference() -> str:

@@ -282,6 +282,26 @@ def test_a_runs_own_config_yaml_stands_for_the_folder_it_is_in(tmp_path, monkeyp
     assert load_config(["--config", "../moved/run/config.yaml"])[0].output_dir == "runs/a"
 
 
+def test_a_runs_config_yaml_records_its_settings_not_how_a_command_started_it(tmp_path):
+    """A resumed run's config.yaml recorded 'resume_from_checkpoint: latest', so --config RUN/config.yaml --output_dir
+    new, to start a run set as that one, failed: 'no complete checkpoint in new/checkpoints'. The run writes the
+    defaults of both fields; one written before is read without them; a user's file (no header) keeps them."""
+    from cifar_accel.config import CONFIG_HEADER, config_yaml
+
+    started = dataclasses.replace(TrainConfig(), resume_from_checkpoint="latest", overwrite_output_dir=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_yaml(started))
+    saved = read_config_file(run / "config.yaml")
+    assert (saved["resume_from_checkpoint"], saved["overwrite_output_dir"]) == (None, False)
+    (run / "config.yaml").write_text(f"{CONFIG_HEADER}\nresume_from_checkpoint: latest\noverwrite_output_dir: true\n")
+    config, _ = load_config(["--config", str(run / "config.yaml"), "--output_dir", str(tmp_path / "new")])
+    assert (config.resume_from_checkpoint, config.overwrite_output_dir) == (None, False)
+    (tmp_path / "mine.yaml").write_text("resume_from_checkpoint: auto\noverwrite_output_dir: true\n")
+    config, _ = load_config(["--config", str(tmp_path / "mine.yaml")])
+    assert (config.resume_from_checkpoint, config.overwrite_output_dir) == ("auto", True)
+
+
 def test_every_field_says_what_a_resume_may_do_with_it():
     """The resume fingerprint is derived from the fields' metadata; a field without it cannot be declared."""
     for name, f in FIELDS.items():

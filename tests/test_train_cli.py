@@ -207,6 +207,19 @@ def test_resuming_from_what_is_no_checkpoint_names_what_it_is(tiny_dataset, trai
     assert read_results(out)["epochs_completed"] == 2
 
 
+def test_a_resumed_runs_config_yaml_starts_a_new_run_elsewhere(tiny_dataset, train_here, tmp_path):
+    """--config RUN/config.yaml --output_dir new, to start a run set as RUN, failed once RUN had been resumed: its
+    config.yaml said 'resume_from_checkpoint: latest' ('no complete checkpoint in new/checkpoints')."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_dataset, out, "--max_train_samples", "100")
+    assert train_here(args).returncode == 0
+    assert train_here([*args, "--num_train_epochs", "2", "--resume_from_checkpoint", "latest"]).returncode == 0
+    proc = train_here(["--config", str(out / "config.yaml"), "--output_dir", str(tmp_path / "new")])
+    assert proc.returncode == 0, proc.stderr
+    assert read_results(tmp_path / "new")["epochs_completed"] == 2
+    assert (tmp_path / "new" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
 def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, cli_env, tmp_path):
     """A run in another run's checkpoints/ or logs/ trained there, and an --overwrite_output_dir of the other run
     then set those folders aside and deleted them, the finished run inside with them. Now that is refused in one
