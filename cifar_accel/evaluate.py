@@ -35,9 +35,10 @@ from cifar_accel.inference import (
 )
 from cifar_accel.metrics import classification_report
 from cifar_accel.outputs import (
+    METRICS_FILE,
     WEIGHTS_FILE,
     file_sha256,
-    json_keys,
+    is_evaluation_report,
     refuse_foreign_files,
     save_atomic,
     writable_output_dir,
@@ -48,7 +49,7 @@ from cifar_accel.plots import MISSING, pyplot
 from cifar_accel.precision import effective_precision, warn_if_not_in_effect
 from cifar_accel.processes import check_joined
 
-METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
+CONFUSION_FILE = "confusion_matrix.png"
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def main(argv: Sequence[str]) -> None:
     with writable_output_dir(
         Path(args.output_dir or output_beside(trained.weights, f"eval_{args.split}"))
     ) as output_dir:
-        ours = "confusion_matrix" in json_keys(output_dir / METRICS_FILE)  # an earlier evaluation's
+        ours = is_evaluation_report(output_dir / METRICS_FILE)  # an earlier evaluation's
         refuse_foreign_files(output_dir, (METRICS_FILE, CONFUSION_FILE), "evaluate", ours)
         evaluate_model(args, trained, output_dir)
 

@@ -46,7 +46,7 @@ from cifar_accel.outputs import (
     RESULTS_FILE,
     WEIGHTS_FILE,
     file_sha256,
-    json_keys,
+    is_export_description,
     refuse_foreign_files,
     save_atomic,
     writable_output_dir,
@@ -227,7 +227,7 @@ def main(argv: Sequence[str]) -> None:
 def export_model(args: argparse.Namespace, trained: TrainedModel, path: Path) -> None:
     """Export ``trained`` to ``path`` as ``args`` say, with its description beside it, and check the export."""
     description_file = path.with_name(path.name + ".json")
-    ours = {"format", "file", "weights"} <= json_keys(description_file)  # an earlier export's, replaced
+    ours = is_export_description(description_file)  # an earlier export's, replaced
     refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")
     images = None
     if not args.skip_check:  # read before anything is written: a missing dataset leaves no export behind

@@ -45,6 +45,7 @@ CARD_MARK = f"library_name: {LIBRARY_NAME}"
 CURVES_FILE = "curves.png"
 PROFILE_DIR = "profile"  # --profile_steps: the traces and the table of top operators
 EXPORT_FILES = {"onnx": "model.onnx", "pt2": "model.pt2"}  # cifar_accel.export's, each with a .json beside it
+METRICS_FILE = "metrics.json"  # cifar_accel.evaluate's report, in <run>/eval_<split>/ by default
 # What a training run writes into its folder, and --overwrite_output_dir sets aside (with the model card and, if
 # this package wrote it, config.yaml).
 RUN_FILES = (
@@ -135,11 +136,28 @@ def holds_run(folder: Path) -> bool:
     return (folder / RESULTS_FILE).exists() or bool(complete_checkpoints(folder))
 
 
+def is_evaluation_report(path: Path) -> bool:
+    """Whether ``path`` is a metrics.json that ``cifar_accel.evaluate`` wrote."""
+    return "confusion_matrix" in json_keys(path)
+
+
+def is_export_description(path: Path) -> bool:
+    """Whether ``path`` is the .json that ``cifar_accel.export`` wrote beside an export."""
+    return {"format", "file", "weights"} <= json_keys(path)
+
+
 def earlier_run_files(folder: Path) -> list[Path]:
-    """The files of a run in ``folder``: ``RUN_FILES``, its config.yaml and its model card."""
+    """The files of a run in ``folder``: ``RUN_FILES``, its config.yaml and its model card, and what evaluate and
+    export made of it there by default: its eval_<split>[_<checkpoint>]/ reports and its checkpoints' exports
+    (model_<checkpoint>.onnx with their .json; the final weights' are among ``RUN_FILES``)."""
     files = [folder / name for name in RUN_FILES if (folder / name).exists()]
     files += [folder / CONFIG_FILE] if is_run_config(folder / CONFIG_FILE) else []
-    return files + [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else files
+    files += [folder / CARD_FILE] if is_model_card(folder / CARD_FILE) else []
+    files += [report.parent for report in sorted(folder.glob(f"eval_*/{METRICS_FILE}")) if is_evaluation_report(report)]
+    for description in sorted(folder.glob("model_step_*.json")):
+        if is_export_description(description):
+            files += [path for path in (description.with_suffix(""), description) if path.exists()]
+    return files
 
 
 # What --push_to_hub uploads, with the model card and the TensorBoard events.

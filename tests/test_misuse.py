@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from cifar_accel import compare, evaluate, predict
+from cifar_accel import compare, evaluate, export, predict
 from cifar_accel.bookkeeping import RunBookkeeper
 from cifar_accel.checkpoint import STATE_FILE, check_checkpoint_files, complete_checkpoints
 from cifar_accel.config import read_config_file
@@ -119,6 +119,25 @@ def test_overwrite_replaces_the_earlier_run_only_once_the_new_one_has_a_checkpoi
     assert json.loads((complete_checkpoints(earlier_run)[-1] / STATE_FILE).read_text())["config_fingerprint"][
         "seed"
     ] == 7  # fmt: skip
+    assert (earlier_run / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_sets_aside_the_earlier_runs_evaluations_and_checkpoint_exports(earlier_run, tiny_dataset,
+                                                                                  train_here):  # fmt: skip
+    """They stayed beside the new run: the earlier run's eval_test/, and its model_step_00000004.onnx and
+    eval_test_step_00000004/, taken for those of the new run's checkpoint of that name. Folders and files of the
+    user's stay, a report-like one too."""
+    step = earlier_run / "checkpoints" / "step_00000004"
+    assert run_cli(evaluate.main, ["--model", str(earlier_run)]) == 0
+    assert run_cli(evaluate.main, ["--model", str(step)]) == 0
+    assert run_cli(export.main, ["--model", str(step), "--skip_check"]) == 0
+    made = ["eval_test", "eval_test_step_00000004", "model_step_00000004.onnx", "model_step_00000004.onnx.json"]
+    assert all((earlier_run / name).exists() for name in made)
+    (earlier_run / "eval_mine").mkdir()
+    (earlier_run / "eval_mine" / "metrics.json").write_text('{"accuracy": 1}')
+    assert train_here(run_args(tiny_dataset, earlier_run, "--overwrite_output_dir", "--seed", "7")).returncode == 0
+    assert [name for name in made if (earlier_run / name).exists()] == []
+    assert (earlier_run / "eval_mine" / "metrics.json").read_text() == '{"accuracy": 1}'
     assert (earlier_run / "notes.txt").read_text() == "mine"
 
 
