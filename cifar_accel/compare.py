@@ -63,7 +63,6 @@ from cifar_accel.outputs import (
     CONFIG_FILE,
     RESULTS_FILE,
     OutputDirLock,
-    check_outside_other_runs,
     json_keys,
     refuse_foreign_files,
     save_atomic,
@@ -595,7 +594,6 @@ def main(argv: Sequence[str]) -> None:
     logger.setLevel(logging.INFO)  # its own lines; other libraries (TensorBoard's event reader) only warnings
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     check_train_args(args, train_args, config)
-    check_outside_other_runs(Path(args.output_dir))  # its runs go below it: refused before the folder is made
     # One comparison per folder; each training run locks its own subfolder.
     with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report

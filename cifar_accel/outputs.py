@@ -341,6 +341,7 @@ def writable_output_dir(output_dir: Path, what: str = "output directory", flag: 
         )
     if output_dir.is_file():
         raise InputError(f"{what} '{output_dir}' is a file; choose another {flag}")
+    check_outside_other_runs(output_dir, flag)
     check_writable(output_dir, what, flag)
     try:
         yield output_dir
@@ -371,24 +372,24 @@ def restore_command(folder: Path) -> str:
     return f"{shlex.join(['rm', '-r', *left])} && {move_back}" if left else move_back
 
 
-def check_outside_other_runs(output_dir: Path) -> None:
-    """Refuse a folder inside the folders a run keeps in its own (checkpoints/, logs/, profile/, a run set aside):
-    an --overwrite_output_dir of that run sets them aside and deletes them, with whatever another run wrote there."""
+def check_outside_other_runs(output_dir: Path, flag: str = "--output_dir") -> None:
+    """Refuse a folder inside the folders a run keeps in its own (checkpoints/, logs/, profile/, a run set aside),
+    for any command's output (``flag`` chose it): an --overwrite_output_dir of that run sets them aside and deletes
+    them, with whatever a run, an evaluation or an export wrote there."""
     path = output_dir.resolve()
     for parent in path.parents:
         inner = path.relative_to(parent).parts[0]
         if inner in RUN_FOLDERS and (holds_run(parent) or is_run_config(parent / CONFIG_FILE)):
             raise InputError(
                 f"'{output_dir}' is part of {inner}/, a folder that the run in '{parent}' manages (an "
-                "--overwrite_output_dir there deletes all of it); pick an --output_dir outside it"
+                f"--overwrite_output_dir there deletes all of it); pick an {flag} outside it"
             )
 
 
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:
-    """Refuse a folder inside another run's own folders (``check_outside_other_runs``); a folder that holds another
-    run's results, unless told to resume or replace it; a folder with a run set aside, unless told to replace it;
-    and a config.yaml, or any other file a run writes, that is the user's, not a run's."""
-    check_outside_other_runs(output_dir)
+    """Refuse a folder that holds another run's results, unless told to resume or replace it; a folder with a run
+    set aside, unless told to replace it; and a config.yaml, or any other file a run writes, that is the user's, not
+    a run's. (One inside another run's own folders was refused as it was made, by ``writable_output_dir``.)"""
     aside = output_dir / REPLACED_RUN
     replacing = config.overwrite_output_dir and starts_a_history(config, output_dir)
     if aside.exists() and holds_run(output_dir):

@@ -15,6 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cifar_accel import evaluate, export
+from cifar_accel.errors import run_cli as run_in_process
 from cifar_accel.outputs import complete_checkpoints
 from cifar_accel.precision import hardware_advice, native_bf16
 
@@ -220,11 +222,12 @@ def test_a_resumed_runs_config_yaml_starts_a_new_run_elsewhere(tiny_dataset, tra
     assert (tmp_path / "new" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
-def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, cli_env, tmp_path):
+def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, train_here, cli_env, tmp_path,
+                                                                 capsys):  # fmt: skip
     """A run in another run's checkpoints/ or logs/ trained there, and an --overwrite_output_dir of the other run
     then set those folders aside and deleted them, the finished run inside with them. Now that is refused in one
-    line, exit 2, before anything is written, by compare too (its runs go below its folder); a folder of the run's
-    own name beside its files is not one of them."""
+    line, exit 2, before anything is written, by compare too (its runs go below its folder), and by evaluate and
+    export; a folder of the run's own name beside its files is not one of them."""
     outer = tmp_path / "outer"
     assert train_here(tiny_args(tiny_dataset, outer)).returncode == 0
     before = snapshot(tmp_path)
@@ -238,6 +241,13 @@ def test_a_run_inside_the_folders_another_run_manages_is_refused(tiny_dataset, t
                 f"error: '{inside}' is part of {folder}/, a folder that the run in '{outer}' manages (an "
                 "--overwrite_output_dir there deletes all of it); pick an --output_dir outside it\n",
             )
+        # An evaluation or an export there went the same way, and the checkpoints' rotation could take it too.
+        assert run_in_process(evaluate.main, ["--model", str(outer), "--output_dir", str(inside)]) == 2
+        assert run_in_process(export.main, ["--model", str(outer), "--output", str(inside / "m.onnx")]) == 2
+        refusals = capsys.readouterr().err.splitlines()
+        assert refusals == [f"error: '{inside}' is part of {folder}/, a folder that the run in '{outer}' manages (an "
+                            f"--overwrite_output_dir there deletes all of it); pick an {flag} outside it"
+                            for flag in ("--output_dir", "--output")]  # fmt: skip
         assert snapshot(tmp_path) == before and not (outer / "logs" / "a").exists()
     assert train_here(tiny_args(tiny_dataset, outer / "beside")).returncode == 0
 
