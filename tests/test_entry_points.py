@@ -225,7 +225,8 @@ def test_every_path_or_text_that_is_not_utf8_is_refused_naming_its_flag(module, 
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, "forked"])
-def test_evaluate_reproduces_the_runs_test_accuracy_from_the_folder_and_from_its_best_checkpoint(runs, shape, capsys):
+def test_evaluate_reproduces_the_runs_test_accuracy_from_the_folder_and_from_its_best_checkpoint(runs, shape, capsys,
+                                                                                                 tmp_path):  # fmt: skip
     run, results = runs[shape], read_results(runs[shape])
     tta = results["tta"]
     models = [run]
@@ -233,7 +234,7 @@ def test_evaluate_reproduces_the_runs_test_accuracy_from_the_folder_and_from_its
         models.append(run / "checkpoints" / read_trainer_state(complete_checkpoints(run)[-1]).best_checkpoint)
     for model in models:
         for flags, expected in ((["--tta", tta], results["test_accuracy"]), ([], results["test_accuracy_no_tta"])):
-            out = model / f"eval_{tta}_{bool(flags)}"
+            out = tmp_path / model.name / f"eval_{tta}_{bool(flags)}"  # not in a checkpoint: it goes with it
             code, _, err = run_entry_point(evaluate, ["--model", str(model), "--output_dir", str(out), *flags], capsys)
             assert code == 0, err
             metrics = json.loads((out / "metrics.json").read_text())
