@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     import evaluate
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
-# A training batch of images and class labels -> (model inputs, loss targets), see transforms.TrainingTransform.
-TrainTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A training batch of images and class labels, and the epoch (from 0) -> (model inputs, loss targets), see
+# transforms.TrainingTransform.
+TrainTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -49,10 +49,14 @@ def augmentation_grid(
     originals: torch.Tensor, augmented: torch.Tensor, normalization: Normalization, zoom: int = 3
 ) -> torch.Tensor:
     """One (3, H, W) image: the originals (uint8) in the top rows, the augmented inputs (normalised) below, each
-    pixel drawn ``zoom`` x ``zoom`` so that 32x32 images can be seen."""
+    pixel drawn ``zoom`` x ``zoom`` so that 32x32 images can be seen; smaller inputs (--early_crop_size) framed
+    in white to the originals' size."""
     from torchvision.utils import make_grid  # here, not at the top: torchvision takes a second to import
 
-    both = torch.cat((originals.float().cpu() / 255, to_unit_range(augmented, normalization).cpu()))
+    inputs = to_unit_range(augmented, normalization).cpu()
+    rows, cols = (originals.shape[i] - inputs.shape[i] for i in (-2, -1))
+    inputs = F.pad(inputs, (cols // 2, cols - cols // 2, rows // 2, rows - rows // 2), value=1.0)
+    both = torch.cat((originals.float().cpu() / 255, inputs))
     return make_grid(F.interpolate(both, scale_factor=zoom, mode="nearest"), nrow=8, padding=4, pad_value=1.0)
 
 

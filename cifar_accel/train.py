@@ -367,7 +367,7 @@ def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
     for images, labels in batches:
         if run.state.global_step == run.config.max_train_steps:
             break  # part way through the epoch, which ends here (and its end saves the checkpoint)
-        inputs, targets = run.train_transform(images, labels)
+        inputs, targets = run.train_transform(images, labels, epoch)
         with accelerator.accumulate(run.model):
             loss, logits, grad_norm = training_step(
                 accelerator, run.model, run.optimizer, run.loss_fn, inputs, targets, run.config.max_grad_norm
@@ -454,7 +454,7 @@ def log_augmented_batch(run: Run) -> None:
     device = run.accelerator.device
     images, labels = (t[:AUGMENTED_IMAGES] for t in (run.data.train.images, run.data.train.labels))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        augmented, _ = run.train_transform(images.to(device), labels.to(device))
+        augmented, _ = run.train_transform(images.to(device), labels.to(device), epoch=0)
     log_augmentation(writer, images, augmented, run.data.normalization)
 
 

@@ -67,15 +67,16 @@ def normalized_by_cifar10_constants(normalization: str, class_names: list[str]) 
 
 
 def random_crop_and_flip(
-    images: torch.Tensor, padding: int = 4, flip: bool = True, padding_mode: str = "zeros"
+    images: torch.Tensor, padding: int = 4, flip: bool = True, padding_mode: str = "zeros", size: int = 0
 ) -> torch.Tensor:
     """Pad by ``padding`` pixels (zeros, or the image's reflection), cut a randomly placed window of the original
-    size out of each image, and, with ``flip``, mirror it left-right with probability 1/2."""
+    size (or ``size`` x ``size``) out of each image, and, with ``flip``, mirror it left-right with probability 1/2."""
     n, c, h, w = images.shape
-    dy = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
-    dx = torch.randint(0, 2 * padding + 1, (n, 1, 1), device=images.device)
-    rows = dy + torch.arange(h, device=images.device).view(1, h, 1)
-    cols = dx + torch.arange(w, device=images.device)
+    out_h, out_w = (size, size) if size else (h, w)
+    dy = torch.randint(0, h + 2 * padding - out_h + 1, (n, 1, 1), device=images.device)
+    dx = torch.randint(0, w + 2 * padding - out_w + 1, (n, 1, 1), device=images.device)
+    rows = dy + torch.arange(out_h, device=images.device).view(1, out_h, 1)
+    cols = dx + torch.arange(out_w, device=images.device)
     if flip:  # a mirrored window reads its columns right to left
         mirrored = torch.rand(n, 1, 1, device=images.device) < 0.5
         cols = torch.where(mirrored, cols.flip(-1), cols)
@@ -85,8 +86,8 @@ def random_crop_and_flip(
     else:
         source, width = F.pad(images, (padding,) * 4).flatten(2), w + 2 * padding
     # One gather over the flattened images picks each window's pixels, every channel alike.
-    index = (rows * width + cols).view(n, 1, h * w).expand(n, c, h * w)
-    return source.gather(2, index).view(n, c, h, w)
+    index = (rows * width + cols).view(n, 1, out_h * out_w).expand(n, c, out_h * out_w)
+    return source.gather(2, index).view(n, c, out_h, out_w)
 
 
 def _reflect(coordinates: torch.Tensor, size: int) -> torch.Tensor:
@@ -181,8 +182,9 @@ def brightness_and_contrast(images: torch.Tensor, shift: float, scale: float) ->
 
 class BatchTransform:
     """uint8 (N, 3, H, W) batch -> float batch normalised by ``normalization``, optionally with the training
-    augmentation: a random translation by up to ``padding`` pixels, a random flip, colour jitter (the chapter's
-    recipe by default), and a brightness shift and contrast scale of the normalised images."""
+    augmentation: a random translation by up to ``padding`` pixels (or a random window of ``size`` x ``size``
+    pixels of the padded images), a random flip, colour jitter (the chapter's recipe by default), and a brightness
+    shift and contrast scale of the normalised images."""
 
     def __init__(
         self,
@@ -201,9 +203,9 @@ class BatchTransform:
         self.padding, self.padding_mode, self.flip, self.color_jitter = padding, padding_mode, flip, color_jitter
         self.brightness_shift, self.contrast_scale = brightness_shift, contrast_scale
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        if self.augment and (self.padding or self.flip):
-            images = random_crop_and_flip(images, self.padding, self.flip, self.padding_mode)
+    def __call__(self, images: torch.Tensor, size: int = 0) -> torch.Tensor:
+        if self.augment and (self.padding or self.flip or size):
+            images = random_crop_and_flip(images, self.padding, self.flip, self.padding_mode, size)
         images = images.float().div_(255)
         if self.augment and self.color_jitter:
             images = color_jitter(images, brightness=0.2, contrast=0.2, saturation=0.2, hue=0.1)
@@ -218,7 +220,8 @@ class BatchTransform:
 class TrainingTransform:
     """A training batch of uint8 images and class labels -> (model inputs, loss targets): the augmentation of
     ``config`` and, with --mixup_alpha or --cutmix_alpha, MixUp or CutMix, whose targets are mixed class
-    probabilities. Alternating flips are the training data's (see ``data.TrainImages``), not drawn here."""
+    probabilities; in the first --early_crop_epochs epochs, windows of --early_crop_size pixels. Alternating flips
+    are the training data's (see ``data.TrainImages``), not drawn here."""
 
     def __init__(self, config: TrainConfig, num_classes: int, normalization: Normalization) -> None:
         self.augment = BatchTransform(
@@ -232,6 +235,7 @@ class TrainingTransform:
             brightness_shift=config.brightness_shift,
             contrast_scale=config.contrast_scale,
         )
+        self.early_crop_size, self.early_crop_epochs = config.early_crop_size, config.early_crop_epochs
         self.mix = None
         if config.augment and (config.mixup_alpha or config.cutmix_alpha):
             from torchvision.transforms import v2  # here, not at the top: it takes a second to import
@@ -243,8 +247,8 @@ class TrainingTransform:
             ]
             self.mix = v2.RandomChoice(mixes) if len(mixes) > 1 else mixes[0]
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = self.augment(images)
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self.augment(images, self.early_crop_size if epoch < self.early_crop_epochs else 0)
         if self.mix is None:
             return inputs, labels
         return self.mix(inputs, labels)

@@ -17,6 +17,7 @@ The variants (--variants):
 - ``gelu_tanh``: fast_net with GELU's tanh approximation in place of the exact GELU;
 - ``kernel_grads``: every convolution's weight gradient from torch's kernel (--conv_weight_grads kernel; the preset
   computes those of maps of up to 7x7 as matrix products in bf16 on a CPU with AMX);
+- ``crop24``, ``crop28``: a step of an early epoch under --early_crop_size 24 or 28 (windows of 24x24 or 28x28);
 
 and the optimizer step alone (on the gradients of one real step), as the preset takes it and as the record's
 later changes would: every filter bank's Newton-Schulz batched in one padded 3-D tensor, and the renormalisation
@@ -68,6 +69,8 @@ VARIANTS = {  # name: (config overrides, a change of fast_net's modules, or None
     "silu": ({}, replace_gelu(nn.SiLU)),
     "gelu_tanh": ({}, replace_gelu(lambda: nn.GELU(approximate="tanh"))),
     "kernel_grads": ({}, lambda model: model.set_conv_weight_grads("kernel")),
+    "crop24": ({"early_crop_size": 24, "early_crop_epochs": 1}, None),
+    "crop28": ({"early_crop_size": 28, "early_crop_epochs": 1}, None),
 }
 STEP_IMAGES = 2000
 
@@ -99,7 +102,11 @@ def build(
 
 def optimizer_step(accelerator, model, optimizer, loss_fn, config, inputs, targets) -> None:
     """One optimizer step on ``inputs``, as training computes it under ``config``: batches of
-    --per_device_train_batch_size, accumulated over --gradient_accumulation_steps."""
+    --per_device_train_batch_size, accumulated over --gradient_accumulation_steps, and with --early_crop_size on
+    windows of that size, as in an early epoch."""
+    if config.early_crop_size:
+        size = config.early_crop_size
+        inputs = inputs[..., :size, :size].contiguous(memory_format=torch.channels_last)
     accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps
     accelerator.step = 0  # the accumulation count starts with the step
     size = config.per_device_train_batch_size

@@ -242,6 +242,16 @@ CASES = [
       "'simple_cnn', which has no such choice", "or --conv_weight_grads auto"]),
     ("whitening-bias-epoch-schedule", ["--config", "fast", "--lr_scheduler_type", "cosine"], 2,
      ["'whiten_bias_epochs' in the fast preset needs a per-step schedule", "--lr_scheduler_type is 'cosine'"]),
+    ("early-crop-without-its-epochs", ["--early_crop_size", "24"], 2,
+     ["--early_crop_size has no effect unless --early_crop_epochs is above 0, but 'early_crop_epochs' (the default) "
+      "is 0; add --early_crop_epochs N"]),
+    ("early-crop-too-small", ["--early_crop_size", "12", "--early_crop_epochs", "1"], 2,
+     ["--early_crop_size is 12, under 16 pixels (half the images' 32)", "use 16 to 31, or 0"]),
+    ("early-crop-whole-image", ["--early_crop_size", "32", "--early_crop_epochs", "1"], 2,
+     ["'early_crop_size' must be <= 31, got 32"]),
+    ("early-crop-every-epoch", ["--config", "fast", "--early_crop_size", "24", "--early_crop_epochs", "1"], 2,
+     ["--early_crop_epochs is 1, but the run trains 1 epoch (--num_train_epochs): none would train on whole images",
+      "lower it, or raise --num_train_epochs"]),
     ("ns-dtype-unknown", ["--muon_ns_dtype", "float16"], 2, ["muon_ns_dtype", "invalid choice"]),
     ("idle-momentum", ["--momentum", "0.5"], 2,
      ["--momentum has no effect unless --optimizer is sgd or muon, but 'optimizer' (the default) is 'adam'; leave "

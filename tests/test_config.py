@@ -368,6 +368,8 @@ IDLE = {
                         ["--lr_scheduler_type", "linear", "--warmup_ratio", "0.1"]),
     "early_stopping_patience": (["--early_stopping_patience", "3"], ["--val_ratio", "0"], []),
     "tta_below_confidence": (["--tta_below_confidence", "0.7"], [], ["--tta", "flip"]),
+    "early_crop_size": (["--early_crop_size", "24", "--early_crop_epochs", "2"], ["--no-augment"], []),
+    "early_crop_epochs": (["--early_crop_epochs", "2"], [], ["--early_crop_size", "24"]),
     "crop_padding": (["--crop_padding", "2"], ["--no-augment"], []),
     "padding_mode": (["--padding_mode", "reflect"], ["--no-augment"], []),
     "flip": (["--flip", "alternate"], ["--no-augment"], []),

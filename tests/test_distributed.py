@@ -110,16 +110,17 @@ def test_the_fast_recipe_on_two_ranks_steps_its_schedule_once_per_step_and_resum
     tiny_dataset, cli_env, torchrun, tmp_path, max_train_steps, precision
 ):
     """The fast preset (Muon and SGD in one optimizer, a per-step schedule, alternating flips and translations,
-    steps of 4 accumulated batches) on all 327 training images with 2 ranks of 8: 20 batches and 5 optimizer steps
-    an epoch, each step stepping the schedule once; two epochs in bf16 with the convolutions' weight gradients as
-    matrix products, or with --max_train_steps 7 one and 2 steps in fp32."""
+    steps of 4 accumulated batches, 24x24 windows in the first epoch) on all 327 training images with 2 ranks of 8:
+    20 batches and 5 optimizer steps an epoch, each step stepping the schedule once; two epochs in bf16 with the
+    convolutions' weight gradients as matrix products, or with --max_train_steps 7 one and 2 steps in fp32."""
     total = max_train_steps or 10
     length = ["--max_train_steps", str(max_train_steps)] if max_train_steps else []
 
     def fast_args(out: Path) -> list[str]:
         return ["--cpu", *run_args(tiny_dataset, out, "--config", "fast", "--per_device_train_batch_size", "8",
                                    "--gradient_accumulation_steps", "4", "--max_eval_samples", "40",
-                                   "--logging_steps", "1", "--whiten_bias_epochs", "1", "--mixed_precision",
+                                   "--logging_steps", "1", "--whiten_bias_epochs", "1", "--early_crop_size", "24",
+                                   "--early_crop_epochs", "1", "--mixed_precision",
                                    precision, "--conv_weight_grads", "matmul", *length)]  # fmt: skip
 
     straight = tmp_path / "straight"

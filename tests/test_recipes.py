@@ -66,7 +66,7 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
     transform = TrainingTransform(config, 10, CIFAR10_NORMALIZATION)
     labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    inputs, targets = transform(images, labels)
+    inputs, targets = transform(images, labels, 0)
     assert inputs.shape == (16, 3, 32, 32) and targets.shape == (16, 10)
     assert torch.allclose(targets.sum(1), torch.ones(16))
     assert ((targets > 0).sum(1) <= 2).all() and (targets.max(1).values < 1).any()
@@ -93,9 +93,11 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
 
 def fast_args(dataset, out, *extra):
     """The fast preset, scaled down to the tiny dataset (steps of 4 accumulated batches of 8, as the preset's are of
-    8 batches of 250), with its brightness and contrast jitter, and MixUp, CutMix and an average of the weights on
-    top; its whitening bias trains for the first 2 of the 3 epochs."""
+    8 batches of 250), with its brightness and contrast jitter, and MixUp, CutMix, an average of the weights and
+    windows of 24x24 pixels in the first 2 epochs on top; its whitening bias trains for the first 2 of the 3
+    epochs."""
     return tiny_args(dataset, out, "--config", "fast", "--num_train_epochs", "3", "--whiten_bias_epochs", "2",
+                     "--early_crop_size", "24", "--early_crop_epochs", "2",
                      "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4",
                      "--mixup_alpha", "0.4", "--cutmix_alpha", "1.0", "--ema_decay", "0.95",
                      "--checkpointing_steps", "4", "--checkpoints_total_limit", "100", "--logging_steps", "5",

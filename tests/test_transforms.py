@@ -9,6 +9,7 @@ import torch
 import torchvision.transforms.functional as TF
 
 from cifar_accel import transforms as T
+from cifar_accel.config import TrainConfig
 
 from chapter_pipeline import CHAPTER_TRANSFORM
 from conftest import CIFAR10_JPEG
@@ -71,6 +72,33 @@ def test_each_crop_is_a_window_of_the_zero_padded_image_mirrored_or_not(images):
         assert straight or flipped
         mirrored += flipped and not straight
     assert 0 < mirrored < len(images)
+
+
+def test_a_smaller_window_is_any_window_of_the_reflect_padded_image_each_place_drawn():
+    """--early_crop_size 24 with --crop_padding 2 and reflect padding: each 24x24 input is one of the 13 x 13 windows
+    of the 36x36 image that reflect padding makes, mirrored or not; over many draws every place is taken."""
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (4000, 3, 32, 32), dtype=torch.uint8)
+    cropped = T.random_crop_and_flip(images, padding=2, padding_mode="reflect", size=24)
+    assert cropped.shape == (4000, 3, 24, 24)
+    padded = torch.nn.functional.pad(images.float(), (2, 2, 2, 2), mode="reflect").to(torch.uint8)
+    places = []
+    for chunk, out in zip(padded.split(100), cropped.split(100), strict=True):
+        windows = chunk.unfold(2, 24, 1).unfold(3, 24, 1)  # N, 3, 13, 13, 24, 24
+        for flip in (False, True):
+            seen = out.flip(-1) if flip else out
+            same = (windows == seen[:, :, None, None]).flatten(-2).all(-1).all(1)  # N, 13, 13
+            places += [(int(dy), int(dx), flip) for _, dy, dx in same.nonzero()]
+    assert len(places) == len(images)  # one window each
+    assert len(set(places)) == 13 * 13 * 2
+
+
+def test_the_training_transform_cuts_smaller_windows_in_the_early_epochs_only(images):
+    config = TrainConfig(early_crop_size=24, early_crop_epochs=2, num_train_epochs=3)
+    transform = T.TrainingTransform(config, 10, T.CIFAR10_NORMALIZATION)
+    labels = torch.zeros(len(images), dtype=torch.long)
+    shapes = [transform(images, labels, epoch)[0].shape[-2:] for epoch in range(3)]
+    assert shapes == [(24, 24), (24, 24), (32, 32)]
 
 
 def test_crop_offsets_and_flips_have_torchvisions_distribution():

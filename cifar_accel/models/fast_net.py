@@ -123,7 +123,7 @@ class FastNet(nn.Module):
             ConvGroup(WHITEN_WIDTH, WIDTHS[0]),
             ConvGroup(WIDTHS[0], WIDTHS[1]),
             ConvGroup(WIDTHS[1], WIDTHS[2]),
-            nn.MaxPool2d(3),
+            nn.MaxPool2d(3, ceil_mode=True),  # 3x3 maps to 1x1; the 2x2 maps of 24x24 inputs too
         )
         self.classifier = nn.Linear(WIDTHS[2], num_classes, bias=False)
         self.set_conv_weight_grads("auto")
