@@ -1032,7 +1032,7 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
             f"--early_crop_size has no effect unless --early_crop_epochs is above 0, but {origins['early_crop_epochs']}"
             " is 0; add --early_crop_epochs N (the first N epochs train on the smaller windows), or leave it out"
         )
-    if config.early_crop_size and config.early_crop_epochs >= config.num_train_epochs:
+    if config.early_crop_size and not config.max_train_steps and config.early_crop_epochs >= config.num_train_epochs:
         raise InputError(
             f"{origins['early_crop_epochs']} is {config.early_crop_epochs}, but the run trains "
             f"{counted(config.num_train_epochs, 'epoch')} ({origins['num_train_epochs']}): none would train on whole "

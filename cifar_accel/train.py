@@ -219,6 +219,7 @@ def set_up_run(
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     check_profile_steps(config, steps_per_epoch, resumed)
+    check_early_crop_epochs(config, steps_per_epoch)
     if config.max_train_steps:
         epochs, last = divmod(config.max_train_steps, steps_per_epoch)
         logger.info(
@@ -254,6 +255,18 @@ def set_up_run(
     if resume_path is not None:
         restore_checkpoint(run, resume_path, resumed, steps_per_epoch)
     return run
+
+
+def check_early_crop_epochs(config: TrainConfig, steps_per_epoch: int) -> None:
+    """--early_crop_epochs must leave an epoch on whole images before --max_train_steps ends the run (without it,
+    ``config.check_combinations`` compares them with --num_train_epochs)."""
+    epochs = total_epochs(config, steps_per_epoch)
+    if config.early_crop_size and config.max_train_steps and config.early_crop_epochs >= epochs:
+        raise InputError(
+            f"--early_crop_epochs is {config.early_crop_epochs}, but --max_train_steps {config.max_train_steps} ends "
+            f"in epoch {epochs} ({counted(steps_per_epoch, 'optimizer step')} an epoch): none would train on whole "
+            "images, the size the model is tested at; lower it, or raise --max_train_steps"
+        )
 
 
 def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: TrainerState | None) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
-from cifar_accel.errors import counted
+from cifar_accel.errors import AddUp, counted
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant and turn.")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", action=AddUp, choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     keep_freed_memory()  # as training does
     hw = hardware()

@@ -20,7 +20,7 @@ from accelerate.state import AcceleratorState
 
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.engine import training_step
-from cifar_accel.errors import counted
+from cifar_accel.errors import AddUp, counted
 from cifar_accel.models import SimpleCNN
 
 
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")
-    parser.add_argument("--eval_batch_sizes", type=int, nargs="+", default=[64, 500, 2000])
+    parser.add_argument("--eval_batch_sizes", type=int, nargs="+", action=AddUp, default=[64, 500, 2000])
     parser.add_argument("--eval_images", type=int, default=6000, help="Images per evaluation measurement.")
     args = parser.parse_args()
     keep_freed_memory()  # as training does

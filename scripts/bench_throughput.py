@@ -41,7 +41,7 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
-from cifar_accel.errors import counted, user_path
+from cifar_accel.errors import AddUp, counted, user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["simple_cnn", "fast_net", "resnet9", "resnet18"],
                         help="Measure the preset made for this model (see above).")  # fmt: skip
     parser.add_argument("--config", help="A preset's name or a config file (default: the one for --model).")
-    parser.add_argument("--precisions", nargs="+", choices=["no", "bf16"],
+    parser.add_argument("--precisions", nargs="+", action=AddUp, choices=["no", "bf16"],
                         help="Default: no, and bf16 on a CPU with native bf16.")  # fmt: skip
     parser.add_argument("--batch_size", type=int, help="Default: the recipe's.")
     parser.add_argument(
