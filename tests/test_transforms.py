@@ -10,6 +10,7 @@ import torchvision.transforms.functional as TF
 
 from cifar_accel import transforms as T
 from cifar_accel.config import TrainConfig
+from cifar_accel.pictures import augmentation_grid
 
 from chapter_pipeline import CHAPTER_TRANSFORM
 from conftest import CIFAR10_JPEG
@@ -99,6 +100,20 @@ def test_the_training_transform_cuts_smaller_windows_in_the_early_epochs_only(im
     labels = torch.zeros(len(images), dtype=torch.long)
     shapes = [transform(images, labels, epoch)[0].shape[-2:] for epoch in range(3)]
     assert shapes == [(24, 24), (24, 24), (32, 32)]
+
+
+def test_the_augmentation_picture_frames_smaller_windows_in_white_at_the_originals_size(images):
+    """TensorBoard's train/augmentation shows the originals above what the first step trains on: with
+    --early_crop_size 24 each 24x24 window sits in the middle of a white 32x32 frame, its pixels as the window's."""
+    originals = images[:8]
+    windows = T.random_crop_and_flip(originals, padding=2, padding_mode="reflect", size=24)
+    normalised = T.BatchTransform(T.CIFAR10_NORMALIZATION)(windows)
+    grid = augmentation_grid(originals, normalised, T.CIFAR10_NORMALIZATION, zoom=1)
+    assert grid.shape == (3, 2 * 32 + 3 * 4, 8 * 32 + 9 * 4)  # two rows of eight, 4-pixel gaps
+    second_row = grid[:, 4 + 32 + 4 :, 4 : 4 + 32][:, :32]  # the first window's frame
+    assert (second_row[:, :4] == 1).all() and (second_row[:, 28:] == 1).all()
+    assert (second_row[:, :, :4] == 1).all() and (second_row[:, :, 28:] == 1).all()
+    assert torch.allclose(second_row[:, 4:28, 4:28], windows[0].float() / 255, atol=1e-6)
 
 
 def test_crop_offsets_and_flips_have_torchvisions_distribution():
