@@ -24,7 +24,7 @@ import torch
 import yaml
 from accelerate.utils import parse_flag_from_env
 
-from cifar_accel.errors import ArgumentParser, InputError, counted, not_text, path_problem, suggest
+from cifar_accel.errors import ArgumentParser, InputError, not_text, path_problem, suggest
 from cifar_accel.images import IMAGE_SIZE
 from cifar_accel.models import MODELS
 from cifar_accel.schema import check_value, quote
@@ -149,7 +149,11 @@ class TrainConfig:
         le=IMAGE_SIZE - 1,
     )
     early_crop_epochs: int = _field(
-        0, "How many of the first epochs train on windows of --early_crop_size.", resume="match", ge=0
+        0,
+        "How many of the first epochs train on windows of --early_crop_size; never the run's last, which trains on "
+        "whole images.",
+        resume="match",
+        ge=0,
     )
     padding_mode: Literal["zeros", "reflect"] = _field(
         "zeros", "What the translation shifts in: black pixels, or the image's reflection.", resume="match"
@@ -1031,12 +1035,6 @@ def check_combinations(config: TrainConfig, origins: dict[str, str]) -> None:
         raise InputError(
             f"--early_crop_size has no effect unless --early_crop_epochs is above 0, but {origins['early_crop_epochs']}"
             " is 0; add --early_crop_epochs N (the first N epochs train on the smaller windows), or leave it out"
-        )
-    if config.early_crop_size and not config.max_train_steps and config.early_crop_epochs >= config.num_train_epochs:
-        raise InputError(
-            f"{origins['early_crop_epochs']} is {config.early_crop_epochs}, but the run trains "
-            f"{counted(config.num_train_epochs, 'epoch')} ({origins['num_train_epochs']}): none would train on whole "
-            "images, the size the model is tested at; lower it, or raise --num_train_epochs"
         )
     if config.nesterov and (config.optimizer not in ("sgd", "muon") or config.momentum == 0):
         problem = (

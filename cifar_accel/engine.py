@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     import evaluate
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
-# A training batch of images and class labels, and the epoch (from 0) -> (model inputs, loss targets), see
-# transforms.TrainingTransform.
-TrainTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# A training batch of images and class labels, the epoch (from 0) and the run's number of epochs -> (model inputs,
+# loss targets), see transforms.TrainingTransform.
+TrainTransform = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

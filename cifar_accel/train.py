@@ -96,7 +96,7 @@ from cifar_accel.trackers import (
     tracker_write_fault,
     trackers_ended_with_the_run,
 )
-from cifar_accel.transforms import BatchTransform, TrainingTransform
+from cifar_accel.transforms import BatchTransform, TrainingTransform, windowed_epochs
 
 logger = get_logger(__name__)
 
@@ -219,12 +219,19 @@ def set_up_run(
     # An epoch's optimizer steps: Accelerate also steps at the end of the loader when accumulation is partway.
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     check_profile_steps(config, steps_per_epoch, resumed)
-    check_early_crop_epochs(config, steps_per_epoch)
     if config.max_train_steps:
         epochs, last = divmod(config.max_train_steps, steps_per_epoch)
         logger.info(
             f"--max_train_steps {config.max_train_steps}: {counted(epochs, 'epoch')} of "
             f"{counted(steps_per_epoch, 'optimizer step')}" + (f", then {last} of epoch {epochs + 1}" if last else "")
+        )
+    num_epochs = total_epochs(config, steps_per_epoch)
+    if config.early_crop_size and config.early_crop_epochs >= num_epochs:
+        windows, size = windowed_epochs(config.early_crop_epochs, num_epochs), config.early_crop_size
+        logger.info(
+            f"early_crop_epochs is {config.early_crop_epochs}, but the run trains {counted(num_epochs, 'epoch')}: "
+            + (f"the first {windows} train on {size}x{size} windows, and the last" if windows else "it trains")
+            + " on whole images, the size the model is tested at"
         )
     run = Run(
         config=config,
@@ -248,25 +255,13 @@ def set_up_run(
         last_checkpoint=None,
         global_batch_size=global_batch,
         learning_rate=learning_rate,
-        num_epochs=total_epochs(config, steps_per_epoch),
+        num_epochs=num_epochs,
         ema=WeightAverage(accelerator.unwrap_model(model), config.ema_decay) if config.ema_decay else None,
     )
     run.precision = measure_precision(run, precision_source)
     if resume_path is not None:
         restore_checkpoint(run, resume_path, resumed, steps_per_epoch)
     return run
-
-
-def check_early_crop_epochs(config: TrainConfig, steps_per_epoch: int) -> None:
-    """--early_crop_epochs must leave an epoch on whole images before --max_train_steps ends the run (without it,
-    ``config.check_combinations`` compares them with --num_train_epochs)."""
-    epochs = total_epochs(config, steps_per_epoch)
-    if config.early_crop_size and config.max_train_steps and config.early_crop_epochs >= epochs:
-        raise InputError(
-            f"--early_crop_epochs is {config.early_crop_epochs}, but --max_train_steps {config.max_train_steps} ends "
-            f"in epoch {epochs} ({counted(steps_per_epoch, 'optimizer step')} an epoch): none would train on whole "
-            "images, the size the model is tested at; lower it, or raise --max_train_steps"
-        )
 
 
 def check_profile_steps(config: TrainConfig, steps_per_epoch: int, resumed: TrainerState | None) -> None:
@@ -380,7 +375,7 @@ def train_epoch(run: Run, books: RunBookkeeper, epoch: int) -> dict[str, float]:
     for images, labels in batches:
         if run.state.global_step == run.config.max_train_steps:
             break  # part way through the epoch, which ends here (and its end saves the checkpoint)
-        inputs, targets = run.train_transform(images, labels, epoch)
+        inputs, targets = run.train_transform(images, labels, epoch, run.num_epochs)
         with accelerator.accumulate(run.model):
             loss, logits, grad_norm = training_step(
                 accelerator, run.model, run.optimizer, run.loss_fn, inputs, targets, run.config.max_grad_norm
@@ -467,7 +462,7 @@ def log_augmented_batch(run: Run) -> None:
     device = run.accelerator.device
     images, labels = (t[:AUGMENTED_IMAGES] for t in (run.data.train.images, run.data.train.labels))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        augmented, _ = run.train_transform(images.to(device), labels.to(device), epoch=0)
+        augmented, _ = run.train_transform(images.to(device), labels.to(device), 0, run.num_epochs)
     log_augmentation(writer, images, augmented, run.data.normalization)
 
 

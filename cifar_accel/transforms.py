@@ -217,11 +217,17 @@ class BatchTransform:
         return images.contiguous(memory_format=self.memory_format)
 
 
+def windowed_epochs(early_crop_epochs: int, num_epochs: int) -> int:
+    """How many of a run's first epochs train on --early_crop_size windows: --early_crop_epochs, but never the last
+    epoch, which trains on whole images, the size the model is tested at (a preset's count also fits shorter runs)."""
+    return min(early_crop_epochs, num_epochs - 1)
+
+
 class TrainingTransform:
     """A training batch of uint8 images and class labels -> (model inputs, loss targets): the augmentation of
     ``config`` and, with --mixup_alpha or --cutmix_alpha, MixUp or CutMix, whose targets are mixed class
-    probabilities; in the first --early_crop_epochs epochs, windows of --early_crop_size pixels. Alternating flips
-    are the training data's (see ``data.TrainImages``), not drawn here."""
+    probabilities; in the first --early_crop_epochs epochs (never the run's last), windows of --early_crop_size
+    pixels. Alternating flips are the training data's (see ``data.TrainImages``), not drawn here."""
 
     def __init__(self, config: TrainConfig, num_classes: int, normalization: Normalization) -> None:
         self.augment = BatchTransform(
@@ -247,8 +253,11 @@ class TrainingTransform:
             ]
             self.mix = v2.RandomChoice(mixes) if len(mixes) > 1 else mixes[0]
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = self.augment(images, self.early_crop_size if epoch < self.early_crop_epochs else 0)
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor, epoch: int, num_epochs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        windowed = epoch < windowed_epochs(self.early_crop_epochs, num_epochs)
+        inputs = self.augment(images, self.early_crop_size if windowed else 0)
         if self.mix is None:
             return inputs, labels
         return self.mix(inputs, labels)

@@ -82,7 +82,7 @@ def our_batches(config: TrainConfig, data: CifarData) -> Iterator:
     for epoch in itertools.count():
         loader.dataset.set_epoch(epoch)  # alternating flips
         for images, labels in loader:
-            yield transform(images, labels, epoch)
+            yield transform(images, labels, epoch, config.num_train_epochs)
 
 
 def premade_batches(batches: Iterator, count: int) -> Iterable:

@@ -61,7 +61,7 @@ def chapter_pipeline(config: TrainConfig, data: CifarData, device: torch.device)
     loader = chapter_loader(ChapterDataset(raw.select(train_indices), *columns), config.per_device_train_batch_size,
                             config.seed)  # fmt: skip
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-    return loader, lambda images, labels: (images.contiguous(memory_format=memory_format), labels)
+    return loader, lambda images, labels, epoch, num_epochs: (images.contiguous(memory_format=memory_format), labels)
 
 
 if __name__ == "__main__":

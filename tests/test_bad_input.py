@@ -249,14 +249,6 @@ CASES = [
      ["--early_crop_size is 12, under 16 pixels (half the images' 32)", "use 16 to 31, or 0"]),
     ("early-crop-whole-image", ["--early_crop_size", "32", "--early_crop_epochs", "1"], 2,
      ["'early_crop_size' must be <= 31, got 32"]),
-    ("early-crop-every-epoch", ["--config", "fast", "--early_crop_size", "24", "--early_crop_epochs", "1"], 2,
-     ["--early_crop_epochs is 1, but the run trains 1 epoch (--num_train_epochs): none would train on whole images",
-      "lower it, or raise --num_train_epochs"]),
-    ("early-crop-past-max-steps", ["--dataset_name", "{data}", "--config", "fast", "--early_crop_size", "24",
-                                   "--early_crop_epochs", "2", "--max_train_steps", "15",
-                                   "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4"], 2,
-     ["--early_crop_epochs is 2, but --max_train_steps 15 ends in epoch 2 (10 optimizer steps an epoch): none would "
-      "train on whole images", "or raise --max_train_steps"]),
     ("ns-dtype-unknown", ["--muon_ns_dtype", "float16"], 2, ["muon_ns_dtype", "invalid choice"]),
     ("idle-momentum", ["--momentum", "0.5"], 2,
      ["--momentum has no effect unless --optimizer is sgd or muon, but 'optimizer' (the default) is 'adam'; leave "

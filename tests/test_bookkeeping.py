@@ -44,8 +44,9 @@ def small_run(tmp_path: Path, accumulation: int = 1, accelerator: Accelerator | 
     settings = TrainConfig(output_dir=str(tmp_path), checkpoints_total_limit=100, **config)
     return Run(
         config=settings, accelerator=accelerator, output_dir=tmp_path, data=None, model=model, optimizer=optimizer,
-        scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader, train_transform=lambda x, y, epoch: (x, y),
-        val_loader=None, test_loader=None, eval_transform=None, metric=None, precision={}, state=TrainerState(),
+        scheduler=scheduler, loss_fn=F.cross_entropy, train_loader=loader,
+        train_transform=lambda x, y, epoch, num_epochs: (x, y), val_loader=None, test_loader=None,
+        eval_transform=None, metric=None, precision={}, state=TrainerState(),
         last_checkpoint=None, global_batch_size=4 * accumulation, learning_rate=0.1, num_epochs=2, ema=None,
     )  # fmt: skip
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cifar_accel.bookkeeping import RunBookkeeper
@@ -90,6 +91,26 @@ def test_the_log_and_the_card_say_where_the_steps_end(tiny_dataset, train_here, 
         "--profile_steps 2 needs 4 optimizer steps (2 before the recorded ones) but the run has 3 left" in proc.stderr
     )
     assert not (tmp_path / "run2").exists()
+
+
+def test_the_epoch_the_steps_end_in_trains_on_whole_images_whatever_early_crop_epochs_says(
+    tiny_dataset, train_here, tmp_path
+):
+    """25 steps reach into a third epoch, which is the run's last: --early_crop_epochs 5 trains its first 2 epochs
+    on windows, bit for bit as --early_crop_epochs 2 does, and says so; 1 epoch of windows trains other weights."""
+    runs = {}
+    for epochs in ("5", "2", "1"):
+        runs[epochs] = tmp_path / f"windows{epochs}"
+        args = run_args(  # no validation: the last weights are the run's; 10 steps an epoch
+            tiny_dataset, runs[epochs], "--report_to", "none", "--val_ratio", "0", length=("--max_train_steps", "25")
+        )
+        proc = train_here([*args, "--early_crop_size", "24", "--early_crop_epochs", epochs])
+        assert proc.returncode == 0, proc.stderr
+        said = "early_crop_epochs is 5, but the run trains 3 epochs: the first 2 train on 24x24 windows, and the last"
+        assert (said in proc.stdout) == (epochs == "5")
+    assert_same_run(runs["2"], runs["5"])
+    one, two = (load_file(runs[epochs] / "model.safetensors") for epochs in ("1", "2"))
+    assert any(not torch.equal(one[name], two[name]) for name in one)
 
 
 @pytest.mark.parametrize(("cut", "done"), [(16, "1 epoch and 7 batches"), (18, "2 epochs and 0 batches")])

@@ -66,7 +66,7 @@ def test_mixed_targets_train_and_accuracy_counts_the_class_labels(images, tmp_pa
     transform = TrainingTransform(config, 10, CIFAR10_NORMALIZATION)
     labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    inputs, targets = transform(images, labels, 0)
+    inputs, targets = transform(images, labels, 0, 1)
     assert inputs.shape == (16, 3, 32, 32) and targets.shape == (16, 10)
     assert torch.allclose(targets.sum(1), torch.ones(16))
     assert ((targets > 0).sum(1) <= 2).all() and (targets.max(1).values < 1).any()

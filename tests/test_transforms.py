@@ -94,12 +94,19 @@ def test_a_smaller_window_is_any_window_of_the_reflect_padded_image_each_place_d
     assert len(set(places)) == 13 * 13 * 2
 
 
-def test_the_training_transform_cuts_smaller_windows_in_the_early_epochs_only(images):
-    config = TrainConfig(early_crop_size=24, early_crop_epochs=2, num_train_epochs=3)
+@pytest.mark.parametrize(
+    ("early_crop_epochs", "num_epochs", "sizes"),
+    [(2, 3, [24, 24, 32]), (2, 4, [24, 24, 32, 32]), (6, 3, [24, 24, 32]), (3, 3, [24, 24, 32]), (6, 1, [32])],
+)
+def test_the_training_transform_cuts_smaller_windows_in_the_early_epochs_but_never_the_last(
+    images, early_crop_epochs, num_epochs, sizes
+):
+    """--early_crop_epochs 6 (the fast preset's) in a shorter run: every epoch but the last on windows."""
+    config = TrainConfig(early_crop_size=24, early_crop_epochs=early_crop_epochs)
     transform = T.TrainingTransform(config, 10, T.CIFAR10_NORMALIZATION)
     labels = torch.zeros(len(images), dtype=torch.long)
-    shapes = [transform(images, labels, epoch)[0].shape[-2:] for epoch in range(3)]
-    assert shapes == [(24, 24), (24, 24), (32, 32)]
+    shapes = [transform(images, labels, epoch, num_epochs)[0].shape[-2:] for epoch in range(num_epochs)]
+    assert shapes == [(size, size) for size in sizes]
 
 
 def test_the_augmentation_picture_frames_smaller_windows_in_white_at_the_originals_size(images):
