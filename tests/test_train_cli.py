@@ -20,7 +20,7 @@ from cifar_accel.errors import run_cli as run_in_process
 from cifar_accel.outputs import complete_checkpoints
 from cifar_accel.precision import hardware_advice, native_bf16
 
-from conftest import read_results, run_cli, snapshot, tiny_args, train_in_process
+from conftest import REPO, read_results, run_cli, snapshot, tiny_args, train_in_process
 
 RESULT_KEYS = {"best_val_accuracy", "test_accuracy", "epochs_completed", "mixed_precision", "train_images_per_second"}
 
@@ -284,6 +284,22 @@ def test_hub_dataset_offline_points_to_a_local_copy(cli_env, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: cannot load dataset 'uoft-cs/cifar10'") and "--dataset_name" in proc.stderr
+
+
+def test_the_chapter_pipeline_script_trains_a_run_as_the_package_does(tiny_dataset, cli_env, tmp_path):
+    """scripts/chapter_pipeline.py, the benchmarks' reference input pipeline, trains with the package's loop: the
+    same outputs, epochs and splits as the package's own run, only the training batches made otherwise."""
+    ours, chapter = tmp_path / "ours", tmp_path / "chapter"
+    assert train_in_process(tiny_args(tiny_dataset, ours)) == 0
+    script = REPO / "scripts" / "chapter_pipeline.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), *tiny_args(tiny_dataset, chapter)],
+        env=cli_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in chapter.iterdir()) == sorted(p.name for p in ours.iterdir())
+    for key in ("epochs_completed", "train_samples", "val_samples", "test_samples"):
+        assert read_results(chapter)[key] == read_results(ours)[key], key
 
 
 def test_a_leading_tilde_is_the_home_folder_in_every_path_flag_and_config_value(tiny_dataset, cli_env, tmp_path):
