@@ -175,6 +175,7 @@ def test_presets_load_by_name_or_path_and_flags_override_them(tmp_path):
     )
     assert (fast.brightness_shift, fast.contrast_scale, fast.color_jitter) == (0.14, 0.13, False)
     assert (fast.tta, fast.tta_below_confidence) == ("flip_translate", 0.7)
+    assert (fast.early_crop_size, fast.early_crop_epochs) == (28, 5)
     assert fast.seed == 7
     assert load_config(["--config", "resnet18"])[0].model_name == "resnet18"
     copy = tmp_path / "mine.yaml"
