@@ -226,8 +226,8 @@ def set_up_run(
             f"{counted(steps_per_epoch, 'optimizer step')}" + (f", then {last} of epoch {epochs + 1}" if last else "")
         )
     num_epochs = total_epochs(config, steps_per_epoch)
-    if config.early_crop_size and config.early_crop_epochs >= num_epochs:
-        windows, size = windowed_epochs(config.early_crop_epochs, num_epochs), config.early_crop_size
+    windows, size = windowed_epochs(config.early_crop_epochs, num_epochs), config.early_crop_size
+    if size and windows < config.early_crop_epochs:
         logger.info(
             f"early_crop_epochs is {config.early_crop_epochs}, but the run trains {counted(num_epochs, 'epoch')}: "
             + (f"the first {windows} train on {size}x{size} windows, and the last" if windows else "it trains")
