@@ -227,7 +227,7 @@ def set_up_run(
         )
     num_epochs = total_epochs(config, steps_per_epoch)
     windows, size = windowed_epochs(config.early_crop_epochs, num_epochs), config.early_crop_size
-    if size and windows < config.early_crop_epochs:
+    if config.augment and size and windows < config.early_crop_epochs:  # without augmentation no epoch has windows
         logger.info(
             f"early_crop_epochs is {config.early_crop_epochs}, but the run trains {counted(num_epochs, 'epoch')}: "
             + (f"the first {windows} train on {size}x{size} windows, and the last" if windows else "it trains")

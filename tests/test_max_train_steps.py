@@ -113,6 +113,18 @@ def test_the_epoch_the_steps_end_in_trains_on_whole_images_whatever_early_crop_e
     assert any(not torch.equal(one[name], two[name]) for name in one)
 
 
+def test_a_config_files_windows_are_not_announced_in_a_run_without_augmentation(tiny_dataset, train_here, tmp_path):
+    """A preset's or file's windows act only with augmentation: --no-augment trains every epoch on whole images,
+    and the log does not say otherwise."""
+    config = tmp_path / "windows.yaml"
+    config.write_text("early_crop_size: 24\nearly_crop_epochs: 5\n")
+    for augment in ("--augment", "--no-augment"):
+        args = run_args(tiny_dataset, tmp_path / augment, "--report_to", "none", length=("--max_train_steps", "25"))
+        proc = train_here([*args, "--config", str(config), augment])
+        assert proc.returncode == 0, proc.stderr
+        assert ("train on 24x24 windows" in proc.stdout) == (augment == "--augment")
+
+
 @pytest.mark.parametrize(("cut", "done"), [(16, "1 epoch and 7 batches"), (18, "2 epochs and 0 batches")])
 def test_a_resume_ends_where_the_uninterrupted_run_did(straight, tiny_dataset, train_here, tmp_path, cut, done):
     resumed = crashed_copy(straight, tmp_path / "resumed", last_step=cut)
