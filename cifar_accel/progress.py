@@ -56,5 +56,8 @@ def progress(
     if not show or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true"):
         return tqdm(iterable, total=total, disable=True)
     if sys.stdout.isatty():
-        return tqdm(iterable, total=total, desc=desc, unit=unit.strip() or "it", leave=False, file=sys.stdout)
+        # disable=False: tqdm's own default read TQDM_DISABLE once, at import; the check above reads it now
+        return tqdm(
+            iterable, total=total, desc=desc, unit=unit.strip() or "it", leave=False, file=sys.stdout, disable=False
+        )
     return LineProgress(iterable, total, desc, unit)

@@ -31,7 +31,8 @@ def config_for(dataset, **changes) -> TrainConfig:
     return dataclasses.replace(TrainConfig(dataset_name=str(dataset)), **changes)
 
 
-def test_decoding_shows_progress_and_the_next_load_is_a_cache_hit(tiny_dataset, caplog, capsys):
+def test_decoding_shows_progress_and_the_next_load_is_a_cache_hit(tiny_dataset, caplog, capsys, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # as a user's shell has it
     caplog.set_level(logging.INFO, logger="cifar_accel.data")
     first = load_data(config_for(tiny_dataset))
     assert "train: decoded 327 images in" in caplog.text and "test: decoded 83 images in" in caplog.text
