@@ -76,6 +76,7 @@ from cifar_accel.state import RunResults, epochs_text, read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, stop_signals
 from cifar_accel.telemetry import machine_name
 from cifar_accel.trackers import requested_trackers, tensorboard_dir
+from cifar_accel.transforms import windowed_epochs
 
 logger = logging.getLogger("cifar_accel.compare")
 
@@ -643,6 +644,9 @@ def compare(
 
     steps = config.max_train_steps
     length = counted(steps, "optimizer step") if steps else counted(config.num_train_epochs, "epoch")
+    windows, size = windowed_epochs(config.early_crop_epochs, summaries[0]["epochs"]), config.early_crop_size
+    if config.augment and size and windows:
+        length += f" (the first {'epoch' if windows == 1 else f'{windows} epochs'} on {size}x{size} windows)"
     report = {
         "command": shlex.join(["python", "-m", "cifar_accel.compare", *argv]),
         **recorded_environment(finished),

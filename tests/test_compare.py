@@ -201,11 +201,12 @@ def test_finished_runs_are_reused_and_an_unfinished_one_is_resumed(compared, tin
 def test_a_length_in_optimizer_steps_is_reported_and_keeps_its_runs_apart(tiny_dataset, cli_env, tmp_path, capsys):
     out = tmp_path / "report"
     args = tiny_args(tiny_dataset, out, "--max_train_samples", "150", "--precisions", "no", "--seeds", "0",
-                     "--max_train_steps", "5")  # fmt: skip
+                     "--max_train_steps", "5", "--early_crop_size", "24", "--early_crop_epochs", "3")  # fmt: skip
     proc = run_cli(args, cli_env, module="cifar_accel.compare")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
-    assert ", 5 optimizer steps, batch 32, " in report["config_summary"]
+    # Windows in every epoch but the last, of the 2 the 5 steps span
+    assert ", 5 optimizer steps (the first epoch on 24x24 windows), batch 32, " in report["config_summary"]
     assert report["precisions"][0]["per_seed"][0]["epochs"] == 2  # 135 training images: 4 steps of 32, then 1
     assert read_results(out / "no_seed0")["history"][1]["train_images"] == 32
     assert report["precisions"][0]["epochs_trained"] == 1.25  # (128 + 32) / 128
@@ -228,7 +229,7 @@ def test_runs_that_log_to_no_tracker_are_reported(tiny_dataset, cli_env, tmp_pat
     assert not list((out / "no_seed0").rglob("events.out.tfevents*"))
     report = json.loads((out / "report.json").read_text())
     assert report["precisions"][0]["loss_scale_trace"] == {"0": []}
-    assert ", 1 epoch, batch 32, " in report["config_summary"]  # a count of one in the singular
+    assert ", 1 epoch, batch 32, " in report["config_summary"]  # a count of one in the singular, and no windows
     assert "this comparison trains 1 run at a time" in (out / "report.md").read_text()
 
 
