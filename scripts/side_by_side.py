@@ -17,7 +17,9 @@ was; a pair that did not finish runs again from the start, over its preset run, 
 A pair whose anchor ran another command, or whose preset run has another config (precision, data or a training
 flag), or that ran its scripts the other way (together, or one after the other), stops the script instead. The
 table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names are those each preset run
-recorded in its ``results.json``.
+recorded in its ``results.json``. Bad input (the refusals above, flags the preset's run would refuse, data without
+the parquet files the anchor reads) is one line and exit code 2 before either script starts; a script that fails
+stops the other, and this script exits 1 with its line.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -38,16 +40,19 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cifar_accel.compare import config_differences, listed_twice
-from cifar_accel.config import TrainConfig, given_flags, load_config
-from cifar_accel.data import load_data
-from cifar_accel.errors import AddUp, user_path
+from cifar_accel.config import TrainConfig, check_field, given_flags, load_config
+from cifar_accel.data import check_dataset_path, load_data
+from cifar_accel.errors import AddUp, ArgumentParser, InputError, RunFault, Stopped, exit_command, user_path
+from cifar_accel.outputs import writable_output_dir
 from cifar_accel.state import read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+ANCHOR_FILES = ("plain_text/train-00000-of-00001.parquet", "plain_text/test-00000-of-00001.parquet")  # what it reads
 ANCHOR_RESULT = re.compile(r"tta_acc (?P<tta>[\d.]+) plain_acc (?P<plain>[\d.]+) time (?P<own>[\d.]+) s")
 
 
@@ -92,13 +97,14 @@ def finish(runs: dict[str, tuple[subprocess.Popen, float]], folder: Path) -> dic
             pid, status, usage = os.wait4(-1, 0)
         except KeyboardInterrupt:
             stop(list(names))
-            print(f"stopped; the pair in {folder} is not finished: the same command runs it again", file=sys.stderr)
-            raise SystemExit(130) from None
+            raise Stopped(
+                f"stopped; the pair in {folder} is not finished: the same command runs it again", 130
+            ) from None
         name, code = names.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0:
             stop(list(names))
             log = folder / f"{name}.log"
-            sys.exit(f"error: the {name} failed (exit code {code}){what_went_wrong(log)}; see {log}")
+            raise RunFault(f"the {name} failed (exit code {code}){what_went_wrong(log)}; see {log}")
         times[name] = {"wall_s": time.perf_counter() - runs[name][1], "cpu_s": usage.ru_utime + usage.ru_stime}
     return times
 
@@ -138,7 +144,7 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
             times |= finish({name: start(command, folder / f"{name}.log")}, folder)
     found = ANCHOR_RESULT.search((folder / "anchor.log").read_text())
     if found is None:
-        sys.exit(f"error: no result line in {folder / 'anchor.log'}")
+        raise RunFault(f"no result line in {folder / 'anchor.log'}")
     results = read_results(run_dir / "results.json")
     own_preset = sum(record.epoch_seconds for record in results.history)
     pair = {
@@ -161,15 +167,18 @@ def reuse_pair(done: Path, anchor: list[str], run_dir: Path, flags: list[str], t
     pair.setdefault("together", True)  # as every pair ran before --one_after_other
     if pair["together"] != together:
         ran = "at the same time" if pair["together"] else "one after the other"
-        sys.exit(f"error: {done} ran its scripts {ran}; give the same flags again, or another --output_dir")
+        raise InputError(f"{done} ran its scripts {ran}; give the same flags again, or another --output_dir")
     ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(anchor[1:])
     if ran != asked:
-        sys.exit(f"error: {done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another "
-                 "--output_dir")  # fmt: skip
+        raise InputError(
+            f"{done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another --output_dir"
+        )
     differences = config_differences(run_dir, load_config(flags)[0])
     if differences:
-        sys.exit(f"error: {run_dir} trained the preset with {', '.join(differences)}; give the same flags again, or "
-                 "another --output_dir")  # fmt: skip
+        raise InputError(
+            f"{run_dir} trained the preset with {', '.join(differences)}; give the same flags again, or another "
+            "--output_dir"
+        )
     return pair
 
 
@@ -224,10 +233,47 @@ def table(pairs: list[dict], precision: str, machines: dict[str, list[int]], tog
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
+    """Refuse, before anything runs, the seeds and the flags after -- that the preset's run would refuse, and the
+    flags that would part the preset from its anchor or are not needed."""
+    if problem := listed_twice("--seeds", args.seeds):
+        raise InputError(problem)
+    for seed in args.seeds:
+        check_field("seed", seed, "--seeds")
+    given = given_flags(train_args)
+    for name, own in SET_FOR_BOTH.items():
+        if name in given:
+            raise InputError(f"--{name} after -- would part the preset from its anchor; give {own} before --")
+    if "config" in given:
+        raise InputError(
+            "--config after -- would train another recipe than the fast preset that the pair compares with its "
+            "anchor; give the preset's values to change as flags after --"
+        )
+    if "resume_from_checkpoint" in given:
+        raise InputError(
+            "--resume_from_checkpoint after -- is not needed: the same command skips the pairs done and runs an "
+            "unfinished one again from its start, as a pair is timed whole"
+        )
+    load_config(["--config", "fast", *train_args])  # the run's own refusal of its flags, at once
+
+
+def check_anchor_input(anchor: str, dataset_name: str) -> None:
+    """The anchor script, and the parquet files of CIFAR-10 it reads from ``dataset_name`` (the Hub's layout)."""
+    if not Path(anchor).is_file():
+        raise InputError(f"--anchor {anchor} is not a file; give the path of airbench94_muon_cpu.py")
+    check_dataset_path(dataset_name)
+    missing = [name for name in ANCHOR_FILES if not (Path(dataset_name) / name).is_file()]
+    if missing:
+        raise InputError(
+            f"the anchor reads CIFAR-10 from {' and '.join(ANCHOR_FILES)} of --dataset_name, and '{dataset_name}' has "
+            f"no {missing[0]}; pass a local copy of the Hub's parquet CIFAR-10, such as ../shared/data/cifar10-jpeg"
+        )
+
+
+def main(argv: Sequence[str]) -> None:
+    argv = list(argv)
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--anchor", type=user_path, required=True, help="Path of airbench94_muon_cpu.py.")
     parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
@@ -239,22 +285,7 @@ def main() -> None:
         help="Run the anchor, then the preset, each alone (on an idle machine), instead of both at the same time.",
     )
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if problem := listed_twice("--seeds", args.seeds):
-        parser.error(problem)
-    given = given_flags(train_args)
-    for name, own in SET_FOR_BOTH.items():
-        if name in given:
-            parser.error(f"--{name} after -- would part the preset from its anchor; give {own} before --")
-    if "config" in given:
-        parser.error(
-            "--config after -- would train another recipe than the fast preset that the pair compares with its "
-            "anchor; give the preset's values to change as flags after --"
-        )
-    if "resume_from_checkpoint" in given:
-        parser.error(
-            "--resume_from_checkpoint after -- is not needed: the same command skips the pairs done and runs an "
-            "unfinished one again from its start, as a pair is timed whole"
-        )
+    check_train_args(args, train_args)
     output_dir = Path(args.output_dir)
     folders = {seed: (output_dir / f"seed{seed}", output_dir / f"{args.precision}_seed{seed}") for seed in args.seeds}
     flags = {seed: preset_flags(args, train_args, seed, run_dir) for seed, (_, run_dir) in folders.items()}
@@ -265,23 +296,29 @@ def main() -> None:
         for seed, (folder, run_dir) in folders.items()
         if (folder / "pair.json").exists()
     }
-    if len(earlier) < len(folders) and not Path(args.anchor).is_file():
-        parser.error(f"--anchor {args.anchor} is not a file; give the path of airbench94_muon_cpu.py")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
-    load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
-    pairs, machines = [], {}
-    for seed, (folder, run_dir) in folders.items():
-        pair = earlier.get(seed) or run_pair(wanted[seed], seed, folder, run_dir, together)
-        pairs.append(pair)
-        ran_on = machine(run_dir)
-        machines.setdefault(ran_on, []).append(seed)
-        print(table(pairs[-1:], args.precision, {ran_on: [seed]}, together), flush=True)
-    summary = {"precision": args.precision, "threads": 1, "together": together, "machines": machines, "pairs": pairs}
-    (output_dir / "side_by_side.json").write_text(json.dumps(summary, indent=2))
-    (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines, together))
-    print(table(pairs, args.precision, machines, together))
+    if len(earlier) < len(folders):
+        check_anchor_input(args.anchor, args.dataset_name)
+    with writable_output_dir(output_dir):
+        # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
+        load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
+        pairs, machines = [], {}
+        for seed, (folder, run_dir) in folders.items():
+            pair = earlier.get(seed) or run_pair(wanted[seed], seed, folder, run_dir, together)
+            pairs.append(pair)
+            ran_on = machine(run_dir)
+            machines.setdefault(ran_on, []).append(seed)
+            print(table(pairs[-1:], args.precision, {ran_on: [seed]}, together), flush=True)
+        summary = {
+            "precision": args.precision,
+            "threads": 1,
+            "together": together,
+            "machines": machines,
+            "pairs": pairs,
+        }
+        (output_dir / "side_by_side.json").write_text(json.dumps(summary, indent=2))
+        (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines, together))
+        print(table(pairs, args.precision, machines, together))
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

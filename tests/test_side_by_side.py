@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import side_by_side as side_by_side_script
 
+from cifar_accel.errors import run_cli as run_main
+
 from conftest import REPO, read_results, run_cli, wait_until
 
 SCRIPT = REPO / "scripts" / "side_by_side.py"
@@ -36,13 +38,25 @@ def side_by_side(
 
 
 @pytest.fixture(scope="module")
-def finished_pair(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
+def anchor_dataset(tiny_dataset, tmp_path_factory) -> Path:
+    """The tiny dataset with its parquet files where the anchor reads CIFAR-10's: plain_text/<split>-00000-of-00001,
+    as in the Hub's copy (``datasets`` reads both layouts)."""
+    root = tmp_path_factory.mktemp("anchor_layout")
+    (root / "plain_text").mkdir()
+    for split in ("train", "test"):
+        name = f"{split}-00000-of-00001.parquet"
+        shutil.copyfile(tiny_dataset / "data" / name, root / "plain_text" / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def finished_pair(anchor_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
     """A folder as side_by_side leaves it after seed 0's pair in fp32 (``-- SCALED_DOWN``), moved since; the
     preset's flags, then equal to the preset's values, name its brightness and contrast jitter. Its pair.json is one
     from before --one_after_other, without "together": both scripts ran at the same time."""
     root = tmp_path_factory.mktemp("side_by_side")
     earlier, out = root / "earlier", root / "moved"
-    train = ["--config", "fast", "--dataset_name", str(tiny_dataset), "--mixed_precision", "no", "--seed", "0",
+    train = ["--config", "fast", "--dataset_name", str(anchor_dataset), "--mixed_precision", "no", "--seed", "0",
              "--output_dir", str(earlier / "no_seed0"), *SCALED_DOWN, "--brightness_shift", "0.14"]  # fmt: skip
     proc = run_cli(train, cli_env)
     assert proc.returncode == 0, proc.stderr
@@ -54,7 +68,7 @@ def finished_pair(tiny_dataset, cli_env, tmp_path_factory) -> tuple[Path, dict]:
     pair = {
         "seed": 0,
         "anchor": {"tta": 0.5, "plain": 0.4, "own_s": 90.0, "wall_s": 100.0, "cpu_s": 95.0,
-                   "command": ["python", ANCHOR, str(tiny_dataset), "--precision", "no", "--seed", "0"]},
+                   "command": ["python", ANCHOR, str(anchor_dataset), "--precision", "no", "--seed", "0"]},
         "preset": {"tta": results["test_accuracy"], "plain": results["test_accuracy_no_tta"], "own_s": 60.0,
                    "epochs": 1, "wall_s": 80.0, "cpu_s": 76.0, "command": [*launch, *train]},
     }  # fmt: skip
@@ -81,25 +95,25 @@ def files(folder: Path) -> dict[Path, int]:
     ],
 )
 def test_a_pair_of_another_command_or_config_stops_the_script_and_nothing_is_written(
-    finished_pair, tiny_dataset, cli_env, precision, epochs, refused
+    finished_pair, anchor_dataset, cli_env, precision, epochs, refused
 ):
     out, _ = finished_pair
     before = files(out)
-    proc = side_by_side(tiny_dataset, out, cli_env, precision, *SCALED_DOWN, "--num_train_epochs", epochs)
-    assert proc.returncode == 1
+    proc = side_by_side(anchor_dataset, out, cli_env, precision, *SCALED_DOWN, "--num_train_epochs", epochs)
+    assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: {out}") and refused.format(anchor=ANCHOR, data=tiny_dataset) in line
+    assert line.startswith(f"error: {out}") and refused.format(anchor=ANCHOR, data=anchor_dataset) in line
     assert line.endswith("; give the same flags again, or another --output_dir")
     assert files(out) == before
 
 
 def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named_by_its_recorded_machine(
-    finished_pair, tiny_dataset, cli_env
+    finished_pair, anchor_dataset, cli_env
 ):
     """Reused from its new folder, with the preset's flags as this invocation gives them (the jitter left to the
     preset)."""
     out, pair = finished_pair
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN)
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN)
     assert proc.returncode == 0, proc.stderr
     table = (out / "side_by_side.md").read_text()
     assert "- CPU: The CPU the run recorded (" in table
@@ -113,7 +127,7 @@ def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named
 
 
 def test_a_pair_that_did_not_finish_runs_again_and_replaces_its_preset_run(
-    finished_pair, tiny_dataset, cli_env, tmp_path
+    finished_pair, anchor_dataset, cli_env, tmp_path
 ):
     """A pair stopped before its pair.json was written left a preset run in its folder; the pair is timed as a
     whole, so both scripts run again, the preset over its earlier run. A stand-in prints the anchor's result line."""
@@ -124,7 +138,7 @@ def test_a_pair_that_did_not_finish_runs_again_and_replaces_its_preset_run(
     anchor = tmp_path / "anchor.py"
     anchor.write_text('print("tta_acc 0.9100 plain_acc 0.9000 time 12.5 s")\n')
 
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=anchor)
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=anchor)
     assert proc.returncode == 0, proc.stderr
     pair = json.loads((out / "seed0" / "pair.json").read_text())
     assert (pair["anchor"]["tta"], pair["anchor"]["plain"], pair["anchor"]["own_s"]) == (0.91, 0.9, 12.5)
@@ -150,13 +164,13 @@ Path(__file__).with_suffix(".seen").write_text(str(len(running)))
 """
 
 
-def test_one_after_other_starts_the_preset_once_the_anchor_has_exited(finished_pair, tiny_dataset, cli_env, tmp_path):
+def test_one_after_other_starts_the_preset_once_the_anchor_has_exited(finished_pair, anchor_dataset, cli_env, tmp_path):
     """With --one_after_other no preset runs while the anchor does (a stand-in anchor looks for one), and the table
     says how the pair ran; a pair run at the same time is not reused by it, nor is its pair by a run without it."""
     out = finished_pair[0]
     before = files(out)
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, own=["--one_after_other"])
-    assert proc.returncode == 1
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, own=["--one_after_other"])
+    assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: {out / 'seed0' / 'pair.json'} ran its scripts at the same time; give the "
                                    "same flags again, or another --output_dir")  # fmt: skip
     assert files(out) == before
@@ -164,7 +178,7 @@ def test_one_after_other_starts_the_preset_once_the_anchor_has_exited(finished_p
     anchor = tmp_path / "anchor.py"
     anchor.write_text(PRESET_RUNNING)
     alone = tmp_path / "alone"
-    proc = side_by_side(tiny_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor, own=["--one_after_other"])
+    proc = side_by_side(anchor_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor, own=["--one_after_other"])
     assert proc.returncode == 0, proc.stderr
     assert anchor.with_suffix(".seen").read_text() == "0"
     pair = json.loads((alone / "seed0" / "pair.json").read_text())
@@ -174,8 +188,8 @@ def test_one_after_other_starts_the_preset_once_the_anchor_has_exited(finished_p
     assert "- One thread per process; the anchor, then the preset, each alone" in table
     assert json.loads((alone / "side_by_side.json").read_text())["together"] is False
 
-    proc = side_by_side(tiny_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor)
-    assert proc.returncode == 1
+    proc = side_by_side(anchor_dataset, alone, cli_env, "no", *SCALED_DOWN, anchor=anchor)
+    assert proc.returncode == 2
     assert f"{alone / 'seed0' / 'pair.json'} ran its scripts one after the other;" in proc.stderr
 
 
@@ -192,27 +206,27 @@ def running_commands_naming(folder: Path) -> list[str]:
     return found
 
 
-def test_an_anchor_that_fails_stops_the_preset_and_the_script(tiny_dataset, cli_env, tmp_path):
+def test_an_anchor_that_fails_stops_the_preset_and_the_script(anchor_dataset, cli_env, tmp_path):
     """The pair is timed as a whole: the preset, with a long run ahead of it, is stopped when the anchor fails,
     not left to run on after the script has exited."""
     anchor = tmp_path / "anchor.py"
     anchor.write_text("raise SystemExit(3)\n")
     out = tmp_path / "pair"
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, "--num_train_epochs", "200", anchor=anchor)
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, "--num_train_epochs", "200", anchor=anchor)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"error: the anchor failed (exit code 3); see {out / 'seed0' / 'anchor.log'}"
     assert running_commands_naming(out) == []
     assert not (out / "no_seed0" / "results.json").exists() and not (out / "seed0" / "pair.json").exists()
 
 
-def test_a_preset_that_refuses_its_input_says_why_in_the_scripts_line(tiny_dataset, cli_env, tmp_path):
+def test_a_preset_that_refuses_its_input_says_why_in_the_scripts_line(anchor_dataset, cli_env, tmp_path):
     """The preset refused a batch larger than the data: the script said only 'the preset failed (exit code 1)',
     and its log held the launcher's traceback around the run's line. Now the script's line carries the run's, the
     log has no traceback, and the anchor is stopped."""
     anchor = tmp_path / "anchor.py"
     anchor.write_text("import time\ntime.sleep(600)\n")
     out = tmp_path / "pair"
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, "--per_device_train_batch_size", "5000",
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, "--per_device_train_batch_size", "5000",
                         anchor=anchor)  # fmt: skip
     log = out / "seed0" / "preset.log"
     assert (proc.returncode, proc.stderr) == (
@@ -224,13 +238,13 @@ def test_a_preset_that_refuses_its_input_says_why_in_the_scripts_line(tiny_datas
     assert running_commands_naming(out) == []
 
 
-def test_the_script_killed_by_sigkill_takes_both_scripts_down(tiny_dataset, cli_env, tmp_path):
+def test_the_script_killed_by_sigkill_takes_both_scripts_down(anchor_dataset, cli_env, tmp_path):
     """Nothing of the script runs after SIGKILL to stop the pair: the anchor and the launcher asked the kernel for
     SIGTERM when the script ends, and the preset's run for SIGTERM when the launcher ends, so neither trains on."""
     anchor = tmp_path / "anchor.py"
     anchor.write_text("import time\ntime.sleep(600)\n")
     out = tmp_path / "pair"
-    command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(tiny_dataset),
+    command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(anchor_dataset),
                "--precision", "no", "--seeds", "0", "--output_dir", str(out), "--", *SCALED_DOWN,
                "--num_train_epochs", "1000"]  # fmt: skip
     script = subprocess.Popen(command, env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -250,47 +264,59 @@ def test_the_script_killed_by_sigkill_takes_both_scripts_down(tiny_dataset, cli_
     assert not (out / "no_seed0" / "results.json").exists()
 
 
-def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(tiny_dataset, cli_env, tmp_path):
+def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(anchor_dataset, cli_env, tmp_path):
     out = tmp_path / "pair"
-    proc = side_by_side(tiny_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=tmp_path / "absent.py")
+    proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=tmp_path / "absent.py")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(f"--anchor {tmp_path / 'absent.py'} is not a file; give the path of "
                                         "airbench94_muon_cpu.py")  # fmt: skip
     assert not out.exists()
 
 
+NEVER_STARTED = "from pathlib import Path\nPath(__file__).with_suffix('.started').touch()\n"
+
+
 @pytest.mark.parametrize(
-    "flags, problem",
+    "given, problem",
     [
-        (["--seed", "5"], "--seed after -- would part the preset from its anchor; give --seeds before --"),
-        (["--mixed_precision=bf16"], "--mixed_precision after -- would part the preset from its anchor; give "
+        (["--", "--seed", "5"], "--seed after -- would part the preset from its anchor; give --seeds before --"),
+        (["--", "--mixed_precision=bf16"], "--mixed_precision after -- would part the preset from its anchor; give "
          "--precision before --"),
-        (["--resume", "latest"], "--resume_from_checkpoint after -- is not needed: the same command skips the pairs "
-         "done and runs an unfinished one again from its start, as a pair is timed whole"),
-        (["--config", "mine.yaml"], "--config after -- would train another recipe than the fast preset that the pair "
-         "compares with its anchor; give the preset's values to change as flags after --"),
+        (["--", "--resume", "latest"], "--resume_from_checkpoint after -- is not needed: the same command skips the "
+         "pairs done and runs an unfinished one again from its start, as a pair is timed whole"),
+        (["--", "--config", "mine.yaml"], "--config after -- would train another recipe than the fast preset that "
+         "the pair compares with its anchor; give the preset's values to change as flags after --"),
+        (["--seeds", "0", "1", "0"], "--seeds lists 0 more than once; give each once"),
+        (["--seeds", "1", "0", "--seeds", "0"], "--seeds lists 0 more than once; give each once"),
+        (["--seeds", "1", "-1"], "--seeds: 'seed' must be >= 0, got -1"),
+        (["--", "--num_train_epochs", "0"], "--num_train_epochs: 'num_train_epochs' must be >= 1, got 0"),
+        (["--", "--num_train_epoch", "3"], "unknown argument '--num_train_epoch'; did you mean "
+         "'--num_train_epochs'?"),
+        (["--output_dir", "{tmp}/file"], "output directory '{tmp}/file' is a file; choose another --output_dir"),
+        (["--dataset_name", "{tmp}/nowhere"], "dataset path '{tmp}/nowhere' does not exist; pass --dataset_name "
+         "with a local copy in Hub layout"),
+        (["--dataset_name", "{tiny}"], "the anchor reads CIFAR-10 from plain_text/train-00000-of-00001.parquet and "
+         "plain_text/test-00000-of-00001.parquet of --dataset_name, and '{tiny}' has no "
+         "plain_text/train-00000-of-00001.parquet; pass a local copy of the Hub's parquet CIFAR-10, such as "
+         "../shared/data/cifar10-jpeg"),
     ],
+    ids=["seed", "precision", "resume", "config", "seed-twice", "seed-twice-in-two-lists", "negative-seed",
+         "preset-refuses", "mistyped-preset-flag", "output-dir-a-file", "no-dataset", "dataset-the-anchor-cannot-read"],
 )  # fmt: skip
-def test_preset_flags_that_the_pair_sets_for_both_scripts_are_refused(tmp_path, monkeypatch, capsys, flags, problem):
-    """Flags after -- come last in the preset's command, so these would win there and not in the anchor's."""
-    out = tmp_path / "pair"
-    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), "--", *flags])
-    with pytest.raises(SystemExit) as refused:
-        side_by_side_script.main()
-    assert refused.value.code == 2
-    assert capsys.readouterr().err.strip().endswith(f"side_by_side.py: error: {problem}")
-    assert not out.exists()
-
-
-@pytest.mark.parametrize("seeds", [["--seeds", "0", "1", "0"], ["--seeds", "1", "0", "--seeds", "0"]])
-def test_a_seed_given_twice_is_refused(tmp_path, monkeypatch, capsys, seeds):
-    """Also in a second --seeds, whose seeds add to the first's (argparse kept only the last list)."""
-    out = tmp_path / "pair"
-    argv = ["side_by_side.py", "--anchor", ANCHOR, "--output_dir", str(out), *seeds]
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit) as refused:
-        side_by_side_script.main()
-    assert refused.value.code == 2
-    error = capsys.readouterr().err.strip()
-    assert error.endswith("side_by_side.py: error: --seeds lists 0 more than once; give each once")
-    assert not out.exists()
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(anchor_dataset, tiny_dataset, tmp_path, capsys,
+                                                               given, problem):  # fmt: skip
+    """Flags after -- come last in the preset's command, so those the pair sets for both scripts would win there and
+    not in the anchor's; --seeds given twice adds up (argparse kept only the last list). The preset's own refusals,
+    a file as the output folder and data that the anchor cannot read were found only once the anchor had started
+    (or by a traceback); the anchor here would leave a mark had it started."""
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text(NEVER_STARTED)
+    (tmp_path / "file").write_text("mine")
+    out, fill = tmp_path / "pair", {"tmp": tmp_path, "tiny": tiny_dataset}
+    argv = ["--anchor", str(anchor), "--dataset_name", str(anchor_dataset), "--output_dir", str(out)]
+    argv += [word.format(**fill) for word in given]
+    assert run_main(side_by_side_script.main, argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {problem.format(**fill)}") and error.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchor.py", "file"]
+    assert (tmp_path / "file").read_text() == "mine"
