@@ -110,7 +110,6 @@ def build_parser() -> ArgumentParser:
         "thread per core: on 2 cores, 2 single-thread runs finish two seeds sooner than 2 two-thread runs in turn.",
     )
     parser.add_argument("--output_dir", type=user_path, default="outputs/compare", help="Runs and the report go here.")
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 
 

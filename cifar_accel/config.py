@@ -505,7 +505,6 @@ def build_parser() -> ArgumentParser:
         action=OneConfig,
         help=f"A packaged preset ({', '.join(preset_names())}) or a YAML file of config values; flags override it.",
     )
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     for name, f in FIELDS.items():
         flags = [f"--{name}", *f.metadata["aliases"]]
         kind, choices, _ = _unwrap(_TYPES[name])

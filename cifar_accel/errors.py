@@ -90,7 +90,8 @@ class AddUp(argparse.Action):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad flags as an InputError (one line, exit code 2) instead of printing usage, and an
-    unknown flag with the one it was probably meant to be; every command takes ``--version``."""
+    unknown flag with the one it was probably meant to be; every command takes ``--version``, and ``--debug``, which
+    ``run_cli`` reads."""
 
     def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,6 +100,7 @@ class ArgumentParser(argparse.ArgumentParser):
             action=PrintVersions,
             help="Print the versions of cifar_accel, Python and the libraries it runs on, and exit.",
         )
+        self.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
 
     def error(self, message: str) -> NoReturn:
         raise InputError(f"{message} (see --help)")

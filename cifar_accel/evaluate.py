@@ -90,7 +90,6 @@ def build_parser() -> ArgumentParser:
         help="Where metrics.json and the PNG go; default: <model folder>/eval_<split> (for a checkpoint: "
         "<run>/eval_<split>_<checkpoint>).",
     )
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 
 

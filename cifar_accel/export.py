@@ -191,7 +191,6 @@ def build_parser() -> ArgumentParser:
         help="The largest difference of a probability the check accepts (default: 1e-4).",
     )
     parser.add_argument("--skip_check", action="store_true", help="Write the export without checking it.")
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 
 

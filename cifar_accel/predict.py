@@ -57,7 +57,6 @@ def build_parser() -> ArgumentParser:
         help="Default: the launcher's, else the run's own (which its test accuracy was measured in).",
     )
     parser.add_argument("--cpu", action="store_true", help="Run on the CPU even when a GPU is present.")
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
     return parser
 
 

@@ -14,13 +14,14 @@ The demos call torch.autocast and torch.amp.GradScaler directly, to show what Ac
 
 from __future__ import annotations
 
-import argparse
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cifar_accel.errors import ArgumentParser, exit_command
 from cifar_accel.models import build_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -158,10 +159,10 @@ def resume_scale() -> None:
 DEMOS = {"overflow": overflow, "pure_fp16": pure_fp16, "resume_scale": resume_scale}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("demo", choices=[*DEMOS, "all"])
-    demo = parser.parse_args().demo
+    demo = parser.parse_args(argv).demo
     print(f"device: {DEVICE}, torch {torch.__version__}\n")
     for name, run in DEMOS.items():
         if demo in (name, "all"):
@@ -169,4 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

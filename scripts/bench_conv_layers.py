@@ -11,14 +11,13 @@ weight gradient pays on it:
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from cifar_accel.errors import counted
+from cifar_accel.errors import ArgumentParser, counted, exit_command
 from cifar_accel.models.fast_net import Conv3x3, FastNet, small_map_weight_grad
 from cifar_accel.telemetry import hardware, machine_name
 
@@ -78,12 +77,12 @@ def layer_times(
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", choices=list(DTYPES), default="bf16")
     parser.add_argument("--batch_size", type=int, default=250, help="Images per batch (the fast preset's).")
     parser.add_argument("--repeats", type=int, default=5, help="Timed calls per measurement; the fastest counts.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"{machine_name(hardware())}; torch {torch.__version__}, {counted(torch.get_num_threads(), 'thread')}; "
           f"{args.precision}, batches of {args.batch_size}, channels_last; ms (GFLOP/s)")  # fmt: skip
     print("| layer | forward | input gradient | weight gradient | weight gradient, matmul way | matrix product |")
@@ -96,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

@@ -28,9 +28,8 @@ The data are random tensors of the preset's shapes: the pipeline's own cost is `
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -41,7 +40,7 @@ from torch import nn
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, counted
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
@@ -158,14 +157,14 @@ def optimizer_seconds(optimizer: MuonSGD, repeats: int) -> dict[str, float]:
         }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
     parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant and turn.")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", nargs="+", action=AddUp, choices=list(VARIANTS), default=list(VARIANTS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keep_freed_memory()  # as training does
     hw = hardware()
     print(f"{machine_name(hw)}; torch {torch.__version__}, {counted(hw['torch_threads'], 'thread')}; {args.precision}, "
@@ -206,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

@@ -10,8 +10,8 @@ Shows whether bf16 and channels_last pay on this machine before you pick a profi
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from accelerate.state import AcceleratorState
 
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, counted
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command
 from cifar_accel.models import SimpleCNN
 
 
@@ -71,14 +71,14 @@ def eval_images_per_second(precision: str, batch_size: int, images: int, cpu: bo
     return batch_size * batches / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")
     parser.add_argument("--eval_batch_sizes", type=int, nargs="+", action=AddUp, default=[64, 500, 2000])
     parser.add_argument("--eval_images", type=int, default=6000, help="Images per evaluation measurement.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keep_freed_memory()  # as training does
     on_gpu = torch.cuda.is_available() and not args.cpu
     precisions = ["no", "fp16", "bf16"] if on_gpu else ["no", "bf16"]
@@ -99,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

@@ -23,14 +23,13 @@ or AMX) unless --precisions asks for it: elsewhere torch emulates it, which says
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -41,7 +40,7 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, counted, user_path
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command, user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
@@ -162,8 +161,8 @@ def startup_seconds(pipeline: str, cache_dir: str) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
     parser.add_argument("--model", choices=["simple_cnn", "fast_net", "resnet9", "resnet18"],
                         help="Measure the preset made for this model (see above).")  # fmt: skip
@@ -182,7 +181,7 @@ def main() -> None:
         "--torch_compile", action="store_true", help="Also measure with the model compiled, as training's flag does."
     )
     parser.add_argument("--skip_startup", action="store_true", help="Do not measure the cold and warm start-up.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keep_freed_memory()  # as training does
     config = recipe(args.config, args.model, args.dataset_name, args.batch_size)
     chapter_recipe = config == recipe("default", "simple_cnn", args.dataset_name, args.batch_size or 64)
@@ -231,4 +230,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_command(main)

@@ -413,6 +413,24 @@ def test_every_command_prints_its_versions(module, capsys):
     assert importlib.metadata.version("cifar-accel") == cifar_accel.__version__
 
 
+@pytest.mark.parametrize(
+    ("script", "argv", "problem"),
+    [
+        ("summarize_runs", ["/nowhere"], "/nowhere/results.json is not the results.json of a finished run"),
+        ("side_by_side", ["--anchor", "/nowhere.py"], "--anchor /nowhere.py is not a file"),
+        ("bench_throughput", ["--config", "nope"], "--config 'nope' is neither a preset"),
+    ],
+)
+def test_the_scripts_refuse_in_one_line_and_show_the_traceback_under_debug(script, argv, problem, capsys):
+    """The scripts' refusals are the commands' (one line, exit code 2), where a benchmark's was a traceback; and
+    their parsers take --debug, which shows the traceback, where one that lacked it refused --debug itself."""
+    main = importlib.import_module(script).main
+    assert run_cli(main, argv) == 2
+    assert capsys.readouterr().err.startswith(f"error: {problem}")
+    with pytest.raises(InputError, match=re.escape(problem)):
+        run_cli(main, [*argv, "--debug"])
+
+
 def test_the_package_imports_under_python_m_with_no_argument_after_the_module(cli_env):
     """`python -m pytest` (or a command), with nothing after the module's name, failed to import the package
     (IndexError) while it looked for the module that -m runs."""
