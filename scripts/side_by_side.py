@@ -19,7 +19,8 @@ flag), or that ran its scripts the other way (together, or one after the other),
 table is ``side_by_side.md`` and ``side_by_side.json``; the CPU and torch it names are those each preset run
 recorded in its ``results.json``. Bad input (the refusals above, flags the preset's run would refuse, data without
 the parquet files the anchor reads) is one line and exit code 2 before either script starts; a script that fails
-stops the other, and this script exits 1 with its line.
+stops the other, and this script exits 1 with its line. A second comparison started in the same folder meanwhile is
+refused, as a second run of a folder is.
 
 Wall time is from process start to exit. The preset's includes its start-up (imports, reading the decoded images
 from the ``datasets`` cache, which this script fills first, untimed); the anchor's includes decoding the JPEGs,
@@ -47,7 +48,7 @@ from cifar_accel.compare import config_differences, listed_twice
 from cifar_accel.config import TrainConfig, check_field, given_flags, load_config
 from cifar_accel.data import check_dataset_path, load_data
 from cifar_accel.errors import AddUp, ArgumentParser, InputError, RunFault, Stopped, exit_command, user_path
-from cifar_accel.outputs import writable_output_dir
+from cifar_accel.outputs import OutputDirLock, writable_output_dir
 from cifar_accel.state import read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
@@ -298,7 +299,7 @@ def main(argv: Sequence[str]) -> None:
     }
     if len(earlier) < len(folders):
         check_anchor_input(args.anchor, args.dataset_name)
-    with writable_output_dir(output_dir):
+    with writable_output_dir(output_dir), OutputDirLock(output_dir):  # one comparison per folder
         # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
         load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
         pairs, machines = [], {}

@@ -264,6 +264,31 @@ def test_the_script_killed_by_sigkill_takes_both_scripts_down(anchor_dataset, cl
     assert not (out / "no_seed0" / "results.json").exists()
 
 
+def test_a_second_comparison_in_the_same_folder_is_refused_and_leaves_the_first_alone(anchor_dataset, cli_env,
+                                                                                      tmp_path):  # fmt: skip
+    """Both would have run seed 0's anchor into the same log, the second truncating the first's, and trained its
+    preset into the same run folder."""
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    out = tmp_path / "pair"
+    command = [sys.executable, str(SCRIPT), "--anchor", str(anchor), "--dataset_name", str(anchor_dataset),
+               "--precision", "no", "--seeds", "0", "--output_dir", str(out), "--one_after_other", "--",
+               *SCALED_DOWN]  # fmt: skip
+    first = subprocess.Popen(command, env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / "seed0" / "anchor.log"
+    try:
+        wait_until(lambda: log.exists() and log.read_text() == "started\n", first, poll=0.05)
+        second = subprocess.run(command, env=cli_env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2
+        assert second.stderr.startswith(f"error: '{out}' is in use by another run (pid {first.pid} on ")
+        assert second.stderr.endswith("; wait for it to finish, or pick another --output_dir\n")
+        assert log.read_text() == "started\n" and first.poll() is None
+    finally:
+        first.terminate()
+        first.wait()
+    wait_until(lambda: running_commands_naming(tmp_path) == [])
+
+
 def test_an_anchor_path_that_is_not_a_file_is_refused_before_anything_runs(anchor_dataset, cli_env, tmp_path):
     out = tmp_path / "pair"
     proc = side_by_side(anchor_dataset, out, cli_env, "no", *SCALED_DOWN, anchor=tmp_path / "absent.py")
