@@ -48,7 +48,7 @@ from cifar_accel.compare import config_differences, listed_twice
 from cifar_accel.config import TrainConfig, check_field, given_flags, load_config
 from cifar_accel.data import check_dataset_path, load_data
 from cifar_accel.errors import AddUp, ArgumentParser, InputError, RunFault, Stopped, exit_command, user_path
-from cifar_accel.outputs import OutputDirLock, writable_output_dir
+from cifar_accel.outputs import OutputDirLock, writable_output_dir, write_atomic
 from cifar_accel.state import read_results
 from cifar_accel.stopping import STOP_WITH_PARENT, term_when_parent_ends
 
@@ -156,7 +156,7 @@ def run_pair(commands: dict[str, list[str]], seed: int, folder: Path, run_dir: P
         "preset": {"tta": results.test_accuracy, "plain": results.test_accuracy_no_tta, "own_s": own_preset,
                    "epochs": results.epochs_completed, **times["preset"], "command": commands["preset"]},
     }  # fmt: skip
-    (folder / "pair.json").write_text(json.dumps(pair, indent=2))
+    write_atomic(folder / "pair.json", json.dumps(pair, indent=2))
     return pair
 
 
@@ -164,12 +164,19 @@ def reuse_pair(done: Path, anchor: list[str], run_dir: Path, flags: list[str], t
     """An earlier pair of this seed, if its anchor ran the command ``anchor`` and its preset run (``run_dir``) the
     config of ``flags``, both run ``together`` or not as now, whatever the interpreter and wherever the folder was
     then."""
-    pair = json.loads(done.read_text())
-    pair.setdefault("together", True)  # as every pair ran before --one_after_other
-    if pair["together"] != together:
-        ran = "at the same time" if pair["together"] else "one after the other"
-        raise InputError(f"{done} ran its scripts {ran}; give the same flags again, or another --output_dir")
-    ran, asked = shlex.join(pair["anchor"]["command"][1:]), shlex.join(anchor[1:])
+    try:
+        pair = json.loads(done.read_text())
+        pair.setdefault("together", True)  # as every pair ran before --one_after_other
+        ran_together, ran = pair["together"], shlex.join(pair["anchor"]["command"][1:])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(
+            f"{done} is not the record of a finished pair ({type(err).__name__}: {err}); delete it, and the same "
+            "command runs the pair again"
+        ) from None
+    if ran_together != together:
+        how = "at the same time" if ran_together else "one after the other"
+        raise InputError(f"{done} ran its scripts {how}; give the same flags again, or another --output_dir")
+    asked = shlex.join(anchor[1:])
     if ran != asked:
         raise InputError(
             f"{done} ran the anchor as '{ran}', not '{asked}'; give the same flags again, or another --output_dir"
@@ -316,8 +323,8 @@ def main(argv: Sequence[str]) -> None:
             "machines": machines,
             "pairs": pairs,
         }
-        (output_dir / "side_by_side.json").write_text(json.dumps(summary, indent=2))
-        (output_dir / "side_by_side.md").write_text(table(pairs, args.precision, machines, together))
+        write_atomic(output_dir / "side_by_side.json", json.dumps(summary, indent=2))
+        write_atomic(output_dir / "side_by_side.md", table(pairs, args.precision, machines, together))
         print(table(pairs, args.precision, machines, together))
 
 

@@ -107,6 +107,25 @@ def test_a_pair_of_another_command_or_config_stops_the_script_and_nothing_is_wri
     assert files(out) == before
 
 
+@pytest.mark.parametrize("damage", [lambda text: text[:40], lambda text: "[]", lambda text: '{"seed": 0}'],
+                         ids=["cut-short", "not-an-object", "without-the-anchor"])  # fmt: skip
+def test_a_damaged_pair_record_is_named_with_the_fix(finished_pair, anchor_dataset, tmp_path, capsys, damage):
+    """A pair.json cut short (by a full disk, before it was written atomically) or edited stopped the script with
+    JSON's traceback or a KeyError; the line names the file and what to do."""
+    out = tmp_path / "pair"
+    shutil.copytree(finished_pair[0], out)
+    done = out / "seed0" / "pair.json"
+    done.write_text(damage(done.read_text()))
+    before = files(out)
+    argv = ["--anchor", ANCHOR, "--dataset_name", str(anchor_dataset), "--precision", "no", "--seeds", "0",
+            "--output_dir", str(out), "--", *SCALED_DOWN]  # fmt: skip
+    assert run_main(side_by_side_script.main, argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {done} is not the record of a finished pair (") and error.count("\n") == 1
+    assert error.endswith("); delete it, and the same command runs the pair again\n")
+    assert files(out) == before
+
+
 def test_a_pair_of_the_same_anchor_command_and_preset_config_is_reused_and_named_by_its_recorded_machine(
     finished_pair, anchor_dataset, cli_env
 ):
