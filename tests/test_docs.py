@@ -58,7 +58,7 @@ def test_each_commands_help_opens_with_a_whole_sentence(command):
     assert re.fullmatch(r"[A-Z][^\n]{20,}\.", description), description
 
 
-SCRIPTS = sorted(path.stem for path in (REPO / "scripts").glob("*.py") if "argparse" in path.read_text())
+SCRIPTS = sorted(path.stem for path in (REPO / "scripts").glob("*.py") if "ArgumentParser(" in path.read_text())
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
