@@ -139,11 +139,17 @@ def check_train_args(args: argparse.Namespace, train_args: list[str], config: Tr
             "hub_token is not for compare: it serves only push_to_hub, which compare refuses, and the report would "
             "show it in the command it records; leave it out"
         )
-    for seed in args.seeds:
+    check_seeds(args.seeds)
+    if problem := listed_twice("--precisions", args.precisions):
+        raise InputError(problem)
+
+
+def check_seeds(seeds: list[int]) -> None:
+    """Refuse a seed that training would refuse, and one listed twice."""
+    for seed in seeds:
         check_field("seed", seed, "--seeds")
-    for flag, values in (("--precisions", args.precisions), ("--seeds", args.seeds)):
-        if problem := listed_twice(flag, values):
-            raise InputError(problem)
+    if problem := listed_twice("--seeds", seeds):
+        raise InputError(problem)
 
 
 def check_loss_scale_logged(precisions: list[str], report_to: str) -> None:

@@ -44,8 +44,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cifar_accel.compare import config_differences, listed_twice
-from cifar_accel.config import TrainConfig, check_field, given_flags, load_config
+from cifar_accel.compare import check_seeds, config_differences
+from cifar_accel.config import TrainConfig, given_flags, load_config
 from cifar_accel.data import check_dataset_path, load_data
 from cifar_accel.errors import AddUp, ArgumentParser, InputError, RunFault, Stopped, exit_command, user_path
 from cifar_accel.outputs import OutputDirLock, writable_output_dir, write_atomic
@@ -244,10 +244,7 @@ def table(pairs: list[dict], precision: str, machines: dict[str, list[int]], tog
 def check_train_args(args: argparse.Namespace, train_args: list[str]) -> None:
     """Refuse, before anything runs, the seeds and the flags after -- that the preset's run would refuse, and the
     flags that would part the preset from its anchor or are not needed."""
-    if problem := listed_twice("--seeds", args.seeds):
-        raise InputError(problem)
-    for seed in args.seeds:
-        check_field("seed", seed, "--seeds")
+    check_seeds(args.seeds)
     given = given_flags(train_args)
     for name, own in SET_FOR_BOTH.items():
         if name in given:
