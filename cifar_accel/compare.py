@@ -569,9 +569,10 @@ def training_text(report: dict[str, Any]) -> str:
     )
 
 
-def results_table(reports: dict[str, dict[str, Any]]) -> str:
-    """The README's results table: one row per precision of each named ``report.json``, its seeds' test accuracy
-    (mean ± std, min and max, with TTA and without), training time per run and the machine it ran on."""
+def results_table(reports: dict[str, dict[str, Any]], folder: str = "docs/results") -> str:
+    """A results table: one row per precision of each named ``report.json``, its seeds' test accuracy (mean ± std,
+    min and max, with TTA and without), training time per run and the machine it ran on; each run's name links to
+    its report.md in ``folder``/<name>/."""
     lines = [
         "| run | precision | epochs | seeds | test accuracy with TTA: mean ± std (min, max) | without TTA: mean (min) "
         "| training per run | machine |",
@@ -585,7 +586,7 @@ def results_table(reports: dict[str, dict[str, Any]]) -> str:
             tta, plain, seconds = s["test_accuracy"], s["test_accuracy_no_tta"], s["train_seconds"]
             epochs = epochs_text(s.get("epochs_trained", s["epochs"]))  # reports written before it: whole epochs
             lines.append(
-                f"| [{name}](docs/results/{name}/report.md) | {s['precision']} | {epochs} | {len(s['seeds'])} "
+                f"| [{name}]({folder}/{name}/report.md) | {s['precision']} | {epochs} | {len(s['seeds'])} "
                 f"| {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} ({100 * tta['min']:.2f}, {100 * tta['max']:.2f}) "
                 f"| {100 * plain['mean']:.2f}% ({100 * plain['min']:.2f}) | {seconds['mean'] / 60:.0f} min, "
                 f"{at_a_time} | {machine} |"

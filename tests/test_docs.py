@@ -17,12 +17,11 @@ import write_results_table
 from PIL import Image
 
 from cifar_accel import compare, config, evaluate, export, predict
-from cifar_accel.compare import results_table
 from cifar_accel.config import flag_reference
 
 from conftest import REPO
 
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "results" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -39,7 +38,7 @@ def test_the_flag_reference_is_generated_from_the_config_and_current():
         assert f"`{flag}`" in flag_reference()
 
 
-@pytest.mark.parametrize("page", DOCUMENTS, ids=[p.name for p in DOCUMENTS])
+@pytest.mark.parametrize("page", DOCUMENTS, ids=[str(p.relative_to(REPO)) for p in DOCUMENTS])
 def test_every_relative_link_resolves(page):
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     links = [link for link in LINK.findall(text) if not re.match(r"[a-z]+:", link)]
@@ -77,17 +76,26 @@ def test_the_readme_is_a_short_guide():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
-def test_the_readme_results_table_is_written_from_the_kept_compare_reports():
-    """The README's results come from `cifar_accel.compare` reports kept in docs/results/, each row from its
-    report's own statistics."""
+def test_the_results_tables_are_written_from_the_kept_compare_reports():
+    """The README's results come from the `cifar_accel.compare` report of the fast preset as shipped, kept in
+    docs/results/ with every other kept report, which docs/results/README.md tabulates; each row from its report's
+    own statistics."""
     reports = write_results_table.reports()
-    assert "fast_bf16" in reports
-    readme = (REPO / "README.md").read_text()
-    block = readme.split(write_results_table.BEGIN)[1].split(write_results_table.END)[0]
-    assert block == results_table(reports), "run: python scripts/write_results_table.py"
-    fast = reports["fast_bf16"]["precisions"][0]
-    assert f"{100 * fast['test_accuracy']['mean']:.2f}% ± {100 * fast['test_accuracy']['std']:.2f}" in block
-    assert len(fast["per_seed"]) >= 3 and [row["seed"] for row in fast["per_seed"]] == fast["seeds"]
+    for page, table in write_results_table.tables().items():
+        assert write_results_table.table_in(page) == table, "run: python scripts/write_results_table.py"
+    readme = write_results_table.table_in(REPO / "README.md")
+    every = write_results_table.table_in(REPO / "docs" / "results" / "README.md")
+    rows = sum(len(report["precisions"]) for report in reports.values())
+    assert len(every.splitlines()) == 2 + rows and rows > len(reports) >= 10
+    shipped = reports[write_results_table.SHIPPED[0]]["precisions"]
+    assert [s["precision"] for s in shipped] == ["bf16", "no"] and len(readme.splitlines()) == 2 + len(shipped)
+    for s in shipped:
+        tta = s["test_accuracy"]
+        row = f"| {s['precision']} | 9 | 5 | {100 * tta['mean']:.2f}% ± {100 * tta['std']:.2f} "
+        assert row in readme and row in every
+        assert [run["seed"] for run in s["per_seed"]] == s["seeds"] == [0, 1, 2, 3, 4]
+    assert "](docs/results/fast_windows28x5_5seeds/report.md)" in readme
+    assert "](./fast_bf16/report.md)" in every
 
 
 def readme_block(after: str) -> list[list[str]]:
