@@ -439,6 +439,36 @@ def test_the_package_imports_under_python_m_with_no_argument_after_the_module(cl
                                                  "--help)\n")  # fmt: skip
 
 
+def test_python_m_the_package_lists_the_commands_and_points_a_command_word_to_its_module(cli_env, tmp_path):
+    """`python -m cifar_accel` said only "No module named cifar_accel.__main__; 'cifar_accel' is a package and
+    cannot be directly executed". It lists the commands, each with its module's first docstring line; a command
+    after it is pointed to its module with the same flags; and, as under the commands, a file of the user's in the
+    current folder named as a library does not stand for it."""
+    for name in ("datasets.py", "torch.py"):
+        (tmp_path / name).write_text("raise SystemExit('the user's own file was imported')\n")
+
+    def package(*argv: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "cifar_accel", *argv]
+        return subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    listed = package()
+    assert (listed.returncode, listed.stderr) == (0, "")
+    for module in (train, evaluate, predict, compare, export):
+        command = module.__name__.split(".")[1]
+        assert f"\n  {command:<9} {module.__doc__.splitlines()[0]}\n" in listed.stdout
+    assert package("--help").stdout == listed.stdout
+    for argv, line in [
+        (["train", "--output_dir", "my runs/a"], "each command is a module of its own: run python -m "
+                                                 "cifar_accel.train --output_dir 'my runs/a'"),
+        (["trian"], "'trian' is not a command; did you mean 'train'? (the commands: train, evaluate, predict, "
+                    "compare, export; see --help)"),
+        (["--model=x"], "unknown argument '--model': flags follow a command, python -m cifar_accel.COMMAND --model "
+                        "... (see --help)"),
+    ]:  # fmt: skip
+        proc = package(*argv)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {line}\n")
+
+
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "cifar_accel.predict"], ["cifar-accel-predict"]],
                          ids=["module", "console-script"])  # fmt: skip
 def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line(command, runs, cli_env):
