@@ -40,9 +40,10 @@ def main(argv: Sequence[str]) -> None:
         flag = rest[0].split("=")[0]
         raise InputError(f"unknown argument '{flag}': flags follow a command, python -m cifar_accel.COMMAND {flag} ... "
                          "(see --help)")  # fmt: skip
-    command, *flags = rest
+    command = rest[0]
     if command in COMMANDS:
-        run_as = shlex.join(["python", "-m", f"cifar_accel.{command}", *flags])
+        at = list(argv).index(command)  # the parser's own flags (--debug) take no value: this is the command word
+        run_as = shlex.join(["python", "-m", f"cifar_accel.{command}", *argv[:at], *argv[at + 1 :]])
         raise InputError(f"each command is a module of its own: run {run_as}")
     commands = ", ".join(COMMANDS)
     raise InputError(f"'{command}' is not a command{suggest(command, COMMANDS)} (the commands: {commands}; see --help)")

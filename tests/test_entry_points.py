@@ -27,6 +27,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import cifar_accel
+from cifar_accel import __main__ as package_main
 from cifar_accel import compare, evaluate, export, load_model, predict, train
 from cifar_accel.checkpoint import complete_checkpoints, read_trainer_state
 from cifar_accel.data import load_split
@@ -467,6 +468,9 @@ def test_python_m_the_package_lists_the_commands_and_points_a_command_word_to_it
     ]:  # fmt: skip
         proc = package(*argv)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {line}\n")
+    # --debug, which the listing's parser takes too, stays among the flags it points to (and shows the traceback)
+    with pytest.raises(InputError, match=re.escape("run python -m cifar_accel.train --debug --lr 3")):
+        run_cli(package_main.main, ["--debug", "train", "--lr", "3"])
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "cifar_accel.predict"], ["cifar-accel-predict"]],
