@@ -36,11 +36,11 @@ def main(argv: Sequence[str]) -> None:
     if not rest:
         parser.print_help()
         return
-    if rest[0].startswith("-"):  # a command's flag, without its command
-        flag = rest[0].split("=")[0]
+    command = rest[0]
+    if command.startswith("-"):  # a command's flag, without its command
+        flag = command.split("=")[0]
         raise InputError(f"unknown argument '{flag}': flags follow a command, python -m cifar_accel.COMMAND {flag} ... "
                          "(see --help)")  # fmt: skip
-    command = rest[0]
     if command in COMMANDS:
         at = list(argv).index(command)  # the parser's own flags (--debug) take no value: this is the command word
         run_as = shlex.join(["python", "-m", f"cifar_accel.{command}", *argv[:at], *argv[at + 1 :]])

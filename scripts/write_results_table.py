@@ -31,14 +31,20 @@ def tables() -> dict[Path, str]:
     }
 
 
+def parts(page: Path) -> tuple[str, str, str]:
+    """The page's text before its table, the table, and the text after it."""
+    before, rest = page.read_text().split(BEGIN)
+    table, after = rest.split(END)
+    return before, table, after
+
+
 def table_in(page: Path) -> str:
-    return page.read_text().split(BEGIN)[1].split(END)[0]
+    return parts(page)[1]
 
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, and no arguments
     for page, table in tables().items():
-        before, rest = page.read_text().split(BEGIN)
-        _, after = rest.split(END)
+        before, _, after = parts(page)
         page.write_text(before + BEGIN + table + END + after)
         print(f"wrote the results table of {page.relative_to(REPO)}")
