@@ -118,17 +118,25 @@ def per_class_figure(per_class: list[dict[str, Any]], title: str) -> Any:
 def mistakes_figure(
     images: torch.Tensor, true: list[str], predicted: list[str], confidences: list[float], title: str
 ) -> Any:
-    """A grid of misclassified images (uint8), each captioned with its true class and the predicted one."""
+    """A grid of misclassified images (uint8), each captioned with its true class and the predicted one: the images
+    pasted into one picture, drawn on one set of axes (an axes per image took most of a second to lay out)."""
     plt = pyplot()
-    columns = 8
-    rows = max(1, -(-len(images) // columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(columns * 1.6, rows * 1.9), dpi=100, squeeze=False)
-    for index, ax in enumerate(axes.flat):
-        ax.axis("off")
-        if index < len(images):
-            ax.imshow(images[index].permute(1, 2, 0).numpy())
-            ax.set_title(f"{true[index]}\n-> {predicted[index]} {confidences[index]:.2f}", fontsize=7)
-    fig.suptitle(title)
+    columns, pad = 8, 2  # images in a row, and white pixels on either side of each
+    n, _, height, width = images.shape
+    rows = max(1, -(-n // columns))
+    cell_width = width + 2 * pad
+    caption = cell_width // 4  # white pixels above each image, for its two lines of caption
+    cell_height = caption + height + pad
+    grid = torch.full((rows * cell_height, columns * cell_width, 3), 255, dtype=torch.uint8)
+    fig, ax = plt.subplots(figsize=(columns * 1.6, rows * 1.6 * cell_height / cell_width + 0.4), dpi=100)
+    for index in range(n):
+        top, left = index // columns * cell_height + caption, index % columns * cell_width + pad
+        grid[top : top + height, left : left + width] = images[index].permute(1, 2, 0)
+        label = f"{true[index]}\n-> {predicted[index]} {confidences[index]:.2f}"
+        ax.text(left + width / 2, top - 1, label, ha="center", va="bottom", fontsize=7)
+    ax.imshow(grid.numpy(), interpolation="nearest")
+    ax.axis("off")
+    ax.set_title(title)
     fig.tight_layout()
     return fig
 

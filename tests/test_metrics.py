@@ -11,7 +11,7 @@ import torch
 
 from cifar_accel.evaluate import columns, format_report
 from cifar_accel.metrics import classification_report, load_metric
-from cifar_accel.pictures import confusion_figure, per_class_figure
+from cifar_accel.pictures import confusion_figure, mistakes_figure, per_class_figure
 
 # Per class: 0 has 1 true positive of 1 predicted and 2 actual (F1 2/3), 1 has 1 of 2 and 1 (2/3), 2 is exact (1),
 # and class 3 appears in neither list.
@@ -64,6 +64,27 @@ def test_figures_label_a_class_no_font_draws_by_its_number_and_show_a_dollar_as_
     ax = fig.axes[0]
     assert [label.get_text() for label in ax.get_xticklabels()] == ["cat", "#1", r"\$5 or \$6"]
     assert ax.get_title() == "run ?"
+
+
+def test_the_mistakes_figure_shows_each_image_under_its_caption_in_order():
+    """Nine images in solid colours (a second row of the grid): each is drawn whole, left to right and then down,
+    and its caption names its true class, the predicted one and the confidence."""
+    colours = torch.randint(0, 256, (9, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    images = colours.view(9, 3, 1, 1).expand(9, 3, 32, 32).contiguous()
+    names = [f"class {i}" for i in range(9)]
+    fig = mistakes_figure(images, names, names[::-1], [i / 10 for i in range(9)], "mistakes")
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    (picture,) = ax.get_images()
+    grid = torch.from_numpy(picture.get_array().data)  # (rows, columns, RGB)
+    centres = [text.get_position() for text in ax.texts]
+    for index, (x, y) in enumerate(centres):  # each image lies right under its caption
+        image = grid[int(y) + 1 : int(y) + 33, int(x) - 16 : int(x) + 16]
+        assert image.shape == (32, 32, 3) and (image == colours[index]).all()
+    rows = sorted({y for _, y in centres})
+    assert [(x, y) for x, y in centres] == sorted(centres, key=lambda c: (c[1], c[0])) and len(rows) == 2
+    assert ax.texts[1].get_text() == "class 1\n-> class 7 0.10"
+    assert (grid == 255).all(-1).sum() == grid.shape[0] * grid.shape[1] - 9 * 32 * 32  # the rest is white
 
 
 def test_the_printed_report_aligns_wide_class_names_and_short_ones():
