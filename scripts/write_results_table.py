@@ -38,10 +38,6 @@ def parts(page: Path) -> tuple[str, str, str]:
     return before, table, after
 
 
-def table_in(page: Path) -> str:
-    return parts(page)[1]
-
-
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, and no arguments
     for page, table in tables().items():

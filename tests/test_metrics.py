@@ -81,8 +81,7 @@ def test_the_mistakes_figure_shows_each_image_under_its_caption_in_order():
     for index, (x, y) in enumerate(centres):  # each image lies right under its caption
         image = grid[int(y) + 1 : int(y) + 33, int(x) - 16 : int(x) + 16]
         assert image.shape == (32, 32, 3) and (image == colours[index]).all()
-    rows = sorted({y for _, y in centres})
-    assert [(x, y) for x, y in centres] == sorted(centres, key=lambda c: (c[1], c[0])) and len(rows) == 2
+    assert centres == sorted(centres, key=lambda c: (c[1], c[0])) and len({y for _, y in centres}) == 2  # 2 rows
     assert ax.texts[1].get_text() == "class 1\n-> class 7 0.10"
     assert (grid == 255).all(-1).sum() == grid.shape[0] * grid.shape[1] - 9 * 32 * 32  # the rest is white
 
