@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 CIFAR10_JPEG = REPO.parent / "shared" / "data" / "cifar10-jpeg"
 CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
-# The suite starts some 300 Python processes. Where PYTHONDONTWRITEBYTECODE is set, each one compiled the package's
+# The suite starts about 300 Python processes. Where PYTHONDONTWRITEBYTECODE is set, each one compiled the package's
 # modules again (0.6 s of every start on 2 cores); here the first one writes their bytecode, into the checkout's
 # __pycache__ folders, which git ignores, as a default Python does for every command.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
