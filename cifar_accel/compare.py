@@ -602,7 +602,7 @@ def main(argv: Sequence[str]) -> None:
     config, _ = load_config(train_args)  # bad training flags stop here, before anything runs
     check_train_args(args, train_args, config)
     # One comparison per folder; each training run locks its own subfolder.
-    with writable_output_dir(Path(args.output_dir)) as output_dir, OutputDirLock(output_dir):
+    with writable_output_dir(Path(args.output_dir), reads=config.dataset_name) as output_dir, OutputDirLock(output_dir):
         ours = "precisions" in json_keys(output_dir / "report.json")  # an earlier comparison's report
         refuse_foreign_files(output_dir, REPORT_FILES, "compare", ours)
         compare(args, argv, train_args, config, output_dir)

@@ -150,16 +150,17 @@ def main(argv: Sequence[str]) -> None:
     check_tta_flags(args)
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=logging.WARNING)
     trained = load_model(args.model)
-    with writable_output_dir(
-        Path(args.output_dir or output_beside(trained.weights, f"eval_{args.split}"))
-    ) as output_dir:
+    dataset = dataset_to_read(args.dataset_name, trained, "--dataset_name")
+    output_dir = Path(args.output_dir or output_beside(trained.weights, f"eval_{args.split}"))
+    with writable_output_dir(output_dir, reads=dataset):
         ours = is_evaluation_report(output_dir / METRICS_FILE)  # an earlier evaluation's
         refuse_foreign_files(output_dir, (METRICS_FILE, CONFUSION_FILE), "evaluate", ours)
-        evaluate_model(args, trained, output_dir)
+        evaluate_model(args, trained, dataset, output_dir)
 
 
-def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: Path) -> None:
-    """Evaluate ``trained`` as ``args`` say; the report and the confusion matrix go to ``output_dir``."""
+def evaluate_model(args: argparse.Namespace, trained: TrainedModel, dataset: str, output_dir: Path) -> None:
+    """Evaluate ``trained`` on ``dataset`` as ``args`` say; the report and the confusion matrix go to
+    ``output_dir``."""
     run = trained.config
     precision, asked = inference_precision(args.mixed_precision, trained)
     # The model as the run tested it: uncompiled, whatever torch dynamo backend a launcher profile names.
@@ -167,7 +168,6 @@ def evaluate_model(args: argparse.Namespace, trained: TrainedModel, output_dir: 
     check_joined(accelerator, "evaluate")
     if asked:
         warn_if_not_in_effect(accelerator, "evaluation runs in fp32 and metrics.json records 'no'")
-    dataset = dataset_to_read(args.dataset_name, trained, "--dataset_name")
     with accelerator.main_process_first():
         split, _ = load_split(
             dataset,

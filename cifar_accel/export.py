@@ -219,18 +219,19 @@ def main(argv: Sequence[str]) -> None:
         raise InputError(f"--output '{path}' must end in {suffix} for --format {args.format}")
     if path.is_dir() or path.resolve() == trained.weights.resolve():
         raise InputError(f"--output '{path}' is a folder or the weights themselves; name a new file")
-    with writable_output_dir(path.parent, "--output's folder", "--output"):
-        export_model(args, trained, path)
+    dataset = None if args.skip_check else dataset_to_read(args.check_dataset, trained, "--check_dataset")
+    with writable_output_dir(path.parent, "--output's folder", "--output", reads=dataset):
+        export_model(args, trained, dataset, path)
 
 
-def export_model(args: argparse.Namespace, trained: TrainedModel, path: Path) -> None:
-    """Export ``trained`` to ``path`` as ``args`` say, with its description beside it, and check the export."""
+def export_model(args: argparse.Namespace, trained: TrainedModel, dataset: str | None, path: Path) -> None:
+    """Export ``trained`` to ``path`` as ``args`` say, with its description beside it, and check the export on
+    ``dataset`` (None: no check)."""
     description_file = path.with_name(path.name + ".json")
     ours = is_export_description(description_file)  # an earlier export's, replaced
     refuse_foreign_files(path.parent, (path.name, description_file.name), "export", ours, "--output")
     images = None
-    if not args.skip_check:  # read before anything is written: a missing dataset leaves no export behind
-        dataset = dataset_to_read(args.check_dataset, trained, "--check_dataset")
+    if dataset is not None:  # read before anything is written: a missing dataset leaves no export behind
         images = load_images(  # the check compares predictions with load_model's, so any images will do
             dataset,
             args.check_split,

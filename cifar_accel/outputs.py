@@ -23,7 +23,7 @@ from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from torch import nn
 
-from cifar_accel.config import CONFIG_FILE, TrainConfig, opens_with, written_by_a_run
+from cifar_accel.config import CONFIG_FILE, TrainConfig, looks_like_path, opens_with, written_by_a_run
 from cifar_accel.errors import InputError, RunFault
 
 logger = logging.getLogger(__name__)
@@ -329,10 +329,13 @@ def check_writable(folder: Path, what: str, flag: str) -> None:
 
 
 @contextmanager
-def writable_output_dir(output_dir: Path, what: str = "output directory", flag: str = "--output_dir") -> Iterator[Path]:
+def writable_output_dir(
+    output_dir: Path, what: str = "output directory", flag: str = "--output_dir", reads: str | None = None
+) -> Iterator[Path]:
     """``output_dir`` (the folder of ``flag``, named ``what`` in refusals), created if needed and checked to be
-    writable. The folders created here go again if the command fails while they are still empty (before its first
-    write), so bad input found after they were made leaves nothing behind."""
+    writable, and outside the dataset the command ``reads`` (a local one). The folders created here go again if the
+    command fails while they are still empty (before its first write), so bad input found after they were made
+    leaves nothing behind."""
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
     if output_dir.resolve() == output_dir.resolve().parent:
         raise InputError(
@@ -342,6 +345,7 @@ def writable_output_dir(output_dir: Path, what: str = "output directory", flag: 
     if output_dir.is_file():
         raise InputError(f"{what} '{output_dir}' is a file; choose another {flag}")
     check_outside_other_runs(output_dir, flag)
+    check_outside_dataset(output_dir, reads, what, flag)
     check_writable(output_dir, what, flag)
     try:
         yield output_dir
@@ -384,6 +388,19 @@ def check_outside_other_runs(output_dir: Path, flag: str = "--output_dir") -> No
                 f"'{output_dir}' is part of {inner}/, a folder that the run in '{parent}' manages (an "
                 f"--overwrite_output_dir there deletes all of it); pick an {flag} outside it"
             )
+
+
+def check_outside_dataset(output_dir: Path, dataset: str | None, what: str, flag: str) -> None:
+    """Refuse a folder in the local dataset a command reads (named as ``what``, chosen by ``flag``): what it wrote
+    there would become part of that dataset, as an image folder takes a run's curves.png for an image of a class."""
+    if dataset is None or not looks_like_path(dataset):
+        return
+    data = Path(dataset).expanduser().resolve()
+    if output_dir.resolve() == data or data in output_dir.resolve().parents:
+        raise InputError(
+            f"{what} '{output_dir}' is inside the dataset '{dataset}' that it reads, and its files would become part "
+            f"of that dataset; choose another {flag}, outside it"
+        )
 
 
 def check_earlier_run(config: TrainConfig, output_dir: Path) -> None:

@@ -508,7 +508,7 @@ def run_training(
         check_trackers(trackers, Path(config.output_dir))
         check_dataset_path(config.dataset_name)
         check_hub_settings(config, Path(config.output_dir))  # the last: it may make the Hub repository
-        with writable_output_dir(Path(config.output_dir)) as output_dir:
+        with writable_output_dir(Path(config.output_dir), reads=config.dataset_name) as output_dir:
             accelerator = build_accelerator(config, output_dir, trackers)
             with exclusive_output_dir(accelerator, output_dir):
                 run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)

@@ -303,7 +303,7 @@ def main(argv: Sequence[str]) -> None:
     }
     if len(earlier) < len(folders):
         check_anchor_input(args.anchor, args.dataset_name)
-    with writable_output_dir(output_dir), OutputDirLock(output_dir):  # one comparison per folder
+    with writable_output_dir(output_dir, reads=args.dataset_name), OutputDirLock(output_dir):  # one comparison a folder
         # Fill the datasets cache once, untimed: a first run decodes every JPEG into it.
         load_data(TrainConfig(dataset_name=args.dataset_name, val_ratio=0.0))
         pairs, machines = [], {}

@@ -14,10 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
+from cifar_accel.compare import main as compare_main
 from cifar_accel.config import TrainConfig
 from cifar_accel.data import Split, choose_normalization, computed_normalization, load_data, load_split
 from cifar_accel.errors import InputError
 from cifar_accel.errors import run_cli as run_main
+from cifar_accel.evaluate import main as evaluate_main
+from cifar_accel.export import main as export_main
 from cifar_accel.inference import load_model
 from cifar_accel.predict import main as predict_main
 from cifar_accel.transforms import CIFAR10_MEAN, CIFAR10_NORMALIZATION, BatchTransform
@@ -28,6 +31,7 @@ from conftest import (
     FINE_NAMES,
     read_results,
     run_cli,
+    snapshot,
     tiny_args,
     write_image_folder,
 )
@@ -149,6 +153,43 @@ def test_an_image_folder_of_greyscale_and_rgb_pngs_trains_with_its_own_statistic
     assert saved["mean"][0] == saved["mean"][1] == saved["mean"][2]  # grey images: every channel alike
     assert np.abs(np.array(saved["std"]) - std).max() <= 0.5e-4 + 1e-12
     assert load_model(tmp_path / "run").class_names == ["dark", "light", "mid"]  # the folders' names, sorted
+
+
+def test_no_command_writes_into_the_local_dataset_it_reads(train_here, tmp_path, capsys):
+    """A run with its --output_dir in an image folder trained, and its files became part of the dataset: the next
+    load found a class named after the run's folder, with curves.png as its image. Now train, compare, evaluate and
+    export refuse a folder in (or of) the dataset they read, in one line, exit 2, before anything is written; a
+    folder beside it whose name only begins like it is not in it."""
+    folder = write_image_folder(tmp_path / "shapes", ["dark", "light"], {"train": 12, "test": 4})
+    beside = tmp_path / "shapes-run"
+    assert train_here(tiny_args(folder, beside, "--per_device_train_batch_size", "8")).returncode == 0
+    before = snapshot(tmp_path)
+    for inside in (folder / "train" / "run", folder):
+        proc = train_here(tiny_args(folder, inside, "--per_device_train_batch_size", "8"))
+        assert (proc.returncode, proc.stderr) == (
+            2,
+            f"error: output directory '{inside}' is inside the dataset '{folder}' that it reads, and its files would "
+            "become part of that dataset; choose another --output_dir, outside it\n",
+        )
+        compare = ["--dataset_name", str(folder), "--output_dir", str(inside), "--precisions", "no"]
+        assert run_main(compare_main, compare) == 2
+        assert run_main(evaluate_main, ["--model", str(beside), "--output_dir", str(inside)]) == 2
+        assert run_main(export_main, ["--model", str(beside), "--output", str(inside / "m.onnx")]) == 2
+        refusals = capsys.readouterr().err.splitlines()
+        assert refusals == [
+            f"error: {what} '{place}' is inside the dataset '{folder}' that it reads, and its files would become part "
+            f"of that dataset; choose another {flag}, outside it"
+            for what, place, flag in (
+                ("output directory", inside, "--output_dir"),
+                ("output directory", inside, "--output_dir"),
+                ("--output's folder", inside, "--output"),
+            )
+        ]
+        assert snapshot(tmp_path) == before and not (folder / "train" / "run").exists()
+    # Without the check, export reads no dataset, and its file may go anywhere.
+    assert run_main(export_main, ["--model", str(beside), "--output", str(folder / "m.pt2"), "--format", "pt2",
+                                  "--skip_check"]) == 0  # fmt: skip
+    assert datasets.load_dataset(str(folder))["train"].features["label"].names == ["dark", "light"]
 
 
 def uint8_split(values: list[list[int]]) -> Split:
