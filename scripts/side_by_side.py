@@ -280,10 +280,24 @@ def main(argv: Sequence[str]) -> None:
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--anchor", type=user_path, required=True, help="Path of airbench94_muon_cpu.py.")
-    parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
-    parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
-    parser.add_argument("--seeds", type=int, nargs="+", action=AddUp, default=[0, 1, 2])
-    parser.add_argument("--output_dir", type=user_path, default="outputs/side_by_side")
+    parser.add_argument(
+        "--dataset_name",
+        type=user_path,
+        default="../shared/data/cifar10-jpeg",
+        help="CIFAR-10 in the Hub's layout, a local copy with its parquet files (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--precision", choices=["no", "bf16"], default="bf16", help="Both scripts' precision (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", action=AddUp, default=[0, 1, 2], help="One pair per seed (default: 0 1 2)."
+    )
+    parser.add_argument(
+        "--output_dir",
+        type=user_path,
+        default="outputs/side_by_side",
+        help="Each pair's runs and the table go here (default: %(default)s).",
+    )
     parser.add_argument(
         "--one_after_other",
         action="store_true",
