@@ -224,15 +224,22 @@ def _checked_path(value: str, text: bool) -> str:
     return path
 
 
-def positive_int(value: str) -> int:
-    """An argparse type for counts that must be at least 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{value}'") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
-    return number
+def int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type for whole numbers of at least ``least``."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: '{value}'") from None
+        if number < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {number}")
+        return number
+
+    return parse
+
+
+positive_int = int_at_least(1)  # counts
 
 
 MAX_ERROR_CHARACTERS = 2000

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from cifar_accel.errors import ArgumentParser, counted, exit_command
+from cifar_accel.errors import ArgumentParser, counted, exit_command, positive_int
 from cifar_accel.models.fast_net import Conv3x3, FastNet, small_map_weight_grad
 from cifar_accel.telemetry import hardware, machine_name
 
@@ -79,9 +79,11 @@ def layer_times(
 
 def main(argv: Sequence[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--precision", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--batch_size", type=int, default=250, help="Images per batch (the fast preset's).")
-    parser.add_argument("--repeats", type=int, default=5, help="Timed calls per measurement; the fastest counts.")
+    parser.add_argument("--precision", choices=list(DTYPES), default="bf16", help="Default: %(default)s.")
+    parser.add_argument("--batch_size", type=positive_int, default=250, help="Images per batch (the fast preset's).")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="Timed calls per measurement; the fastest counts."
+    )
     args = parser.parse_args(argv)
     print(f"{machine_name(hardware())}; torch {torch.__version__}, {counted(torch.get_num_threads(), 'thread')}; "
           f"{args.precision}, batches of {args.batch_size}, channels_last; ms (GFLOP/s)")  # fmt: skip

@@ -40,7 +40,7 @@ from torch import nn
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command, int_at_least, positive_int
 from cifar_accel.models import build_model
 from cifar_accel.optim import MuonSGD, build_loss, build_optimizer, newton_schulz
 from cifar_accel.telemetry import hardware, machine_name
@@ -159,10 +159,10 @@ def optimizer_seconds(optimizer: MuonSGD, repeats: int) -> dict[str, float]:
 
 def main(argv: Sequence[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--precision", choices=["no", "bf16"], default="bf16")
-    parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant and turn.")
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--precision", choices=["no", "bf16"], default="bf16", help="Default: %(default)s.")
+    parser.add_argument("--steps", type=positive_int, default=6, help="Timed steps per variant and turn.")
+    parser.add_argument("--turns", type=positive_int, default=3, help="Rounds in which the variants alternate.")
+    parser.add_argument("--warmup", type=int_at_least(0), default=2, help="Untimed steps before each measurement.")
     parser.add_argument("--variants", nargs="+", action=AddUp, choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args(argv)
     keep_freed_memory()  # as training does

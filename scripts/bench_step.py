@@ -20,7 +20,7 @@ from accelerate.state import AcceleratorState
 
 from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command, positive_int
 from cifar_accel.models import SimpleCNN
 
 
@@ -73,11 +73,12 @@ def eval_images_per_second(precision: str, batch_size: int, images: int, cpu: bo
 
 def main(argv: Sequence[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="Training batch (default: %(default)s).")
+    parser.add_argument("--steps", type=positive_int, default=50, help="Timed training steps.")
     parser.add_argument("--cpu", action="store_true", help="Benchmark the CPU even when a GPU is present.")
-    parser.add_argument("--eval_batch_sizes", type=int, nargs="+", action=AddUp, default=[64, 500, 2000])
-    parser.add_argument("--eval_images", type=int, default=6000, help="Images per evaluation measurement.")
+    parser.add_argument("--eval_batch_sizes", type=positive_int, nargs="+", action=AddUp, default=[64, 500, 2000],
+                        help="Evaluation batches to measure (default: 64 500 2000).")  # fmt: skip
+    parser.add_argument("--eval_images", type=positive_int, default=6000, help="Images per evaluation measurement.")
     args = parser.parse_args(argv)
     keep_freed_memory()  # as training does
     on_gpu = torch.cuda.is_available() and not args.cpu

@@ -40,7 +40,7 @@ from cifar_accel.allocator import keep_freed_memory
 from cifar_accel.config import TrainConfig, config_path, read_config_file
 from cifar_accel.data import CifarData, load_data, load_raw
 from cifar_accel.engine import training_step
-from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command, user_path
+from cifar_accel.errors import AddUp, ArgumentParser, counted, exit_command, int_at_least, positive_int, user_path
 from cifar_accel.models import build_model
 from cifar_accel.optim import build_loss, build_optimizer
 from cifar_accel.precision import native_bf16
@@ -163,19 +163,27 @@ def startup_seconds(pipeline: str, cache_dir: str) -> float:
 
 def main(argv: Sequence[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset_name", type=user_path, default="../shared/data/cifar10-jpeg")
+    parser.add_argument(
+        "--dataset_name",
+        type=user_path,
+        default="../shared/data/cifar10-jpeg",
+        help="The dataset whose training images go through the pipeline (default: %(default)s).",
+    )
     parser.add_argument("--model", choices=["simple_cnn", "fast_net", "resnet9", "resnet18"],
                         help="Measure the preset made for this model (see above).")  # fmt: skip
     parser.add_argument("--config", help="A preset's name or a config file (default: the one for --model).")
     parser.add_argument("--precisions", nargs="+", action=AddUp, choices=["no", "bf16"],
                         help="Default: no, and bf16 on a CPU with native bf16.")  # fmt: skip
-    parser.add_argument("--batch_size", type=int, help="Default: the recipe's.")
+    parser.add_argument("--batch_size", type=positive_int, help="Default: the recipe's.")
     parser.add_argument(
-        "--steps", type=int, default=100, help="Timed optimizer steps per measurement (after --warmup)."
+        "--steps", type=positive_int, default=100, help="Timed optimizer steps per measurement (after --warmup)."
     )
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int_at_least(0), default=10, help="Untimed steps before each measurement.")
     parser.add_argument(
-        "--turns", type=int, default=5, help="Ours and the compute bound alternate, each --steps in this many turns."
+        "--turns",
+        type=positive_int,
+        default=5,
+        help="Ours and the compute bound alternate, each --steps in this many turns.",
     )
     parser.add_argument(
         "--torch_compile", action="store_true", help="Also measure with the model compiled, as training's flag does."

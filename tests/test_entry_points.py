@@ -432,6 +432,28 @@ def test_the_scripts_refuse_in_one_line_and_show_the_traceback_under_debug(scrip
         run_cli(main, [*argv, "--debug"])
 
 
+@pytest.mark.parametrize(
+    ("script", "flag", "value", "least"),
+    [
+        ("bench_throughput", "--steps", "0", 1),
+        ("bench_throughput", "--turns", "0", 1),
+        ("bench_throughput", "--warmup", "-1", 0),
+        ("bench_throughput", "--batch_size", "0", 1),
+        ("bench_step", "--steps", "0", 1),
+        ("bench_step", "--eval_batch_sizes", "0", 1),
+        ("bench_step", "--eval_images", "0", 1),
+        ("bench_fast_changes", "--turns", "0", 1),
+        ("bench_fast_changes", "--warmup", "-2", 0),
+        ("bench_conv_layers", "--repeats", "0", 1),
+    ],
+)
+def test_the_benchmarks_refuse_counts_below_their_least_in_one_line(script, flag, value, least, capsys):
+    """A benchmark given no steps, no turns or an empty batch divided by zero (exit 1, "ZeroDivisionError") or
+    printed a table of zeros and infinities, exit 0; now the flag is refused as the commands refuse one."""
+    assert run_cli(importlib.import_module(script).main, [flag, value]) == 2
+    assert capsys.readouterr().err == f"error: argument {flag}: must be at least {least}, not {value} (see --help)\n"
+
+
 def test_the_package_imports_under_python_m_with_no_argument_after_the_module(cli_env):
     """`python -m pytest` (or a command), with nothing after the module's name, failed to import the package
     (IndexError) while it looked for the module that -m runs."""
