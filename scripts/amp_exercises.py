@@ -161,7 +161,12 @@ DEMOS = {"overflow": overflow, "pure_fp16": pure_fp16, "resume_scale": resume_sc
 
 def main(argv: Sequence[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("demo", choices=[*DEMOS, "all"])
+    parser.add_argument(
+        "demo",
+        choices=[*DEMOS, "all"],
+        help="overflow: an overflow halves the loss scale and skips steps; pure_fp16: model.half() without autocast "
+        "or scaler; resume_scale: resuming without the scaler's state; all: each in turn.",
+    )
     demo = parser.parse_args(argv).demo
     print(f"device: {DEVICE}, torch {torch.__version__}\n")
     for name, run in DEMOS.items():
