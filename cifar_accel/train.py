@@ -507,8 +507,8 @@ def run_training(
         trackers = requested_trackers(config.report_to)
         check_trackers(trackers, Path(config.output_dir))
         check_dataset_path(config.dataset_name)
-        check_hub_settings(config, Path(config.output_dir))  # the last: it may make the Hub repository
         with writable_output_dir(Path(config.output_dir), reads=config.dataset_name) as output_dir:
+            check_hub_settings(config, output_dir)  # after the folder's checks: it may make the Hub repository
             accelerator = build_accelerator(config, output_dir, trackers)
             with exclusive_output_dir(accelerator, output_dir):
                 run = set_up_run(config, accelerator, output_dir, precision_source, train_pipeline)

@@ -49,6 +49,19 @@ def test_a_push_without_a_network_is_refused_before_any_work(tiny_dataset, cli_e
     assert "hf_secret1" not in proc.stdout + proc.stderr  # the token: nowhere
 
 
+def test_an_output_folder_that_is_refused_is_refused_before_the_hub_is_asked(tiny_dataset, cli_env, tmp_path):
+    """The Hub repository was made before the output folder was checked, so a folder refused afterwards (here a
+    file, with no network to make the repository) left a new empty repository behind, or, as here, named the
+    Hub's failure instead of the folder's."""
+    out = tmp_path / "run"
+    out.write_text("mine")
+    args = tiny_args(tiny_dataset, out, "--push_to_hub", "--hub_model_id", "someone/tiny", "--hub_token", "hf_x")
+    proc = run_cli(args, {**cli_env, **NO_HUB})
+    assert (proc.returncode, proc.stderr) == (2, f"error: output directory '{out}' is a file; choose another "
+                                                 "--output_dir\n")  # fmt: skip
+    assert out.read_text() == "mine"
+
+
 def test_an_upload_that_fails_at_the_end_leaves_the_run_saved_with_the_command_that_pushes_it(
     run_with_private_files, monkeypatch
 ):
