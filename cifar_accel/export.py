@@ -104,29 +104,25 @@ def export_program(classifier: ImageClassifier, input_dtype: InputDtype) -> torc
 
 
 def write_export(classifier: ImageClassifier, export_format: ExportFormat, input_dtype: InputDtype, path: Path) -> None:
-    """The exported file at ``path``, written to a temporary name first so that a failure leaves no half file."""
-
-    def export_to(temporary: Path) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporters' notes on torch internals say nothing about this model
-            if export_format == "pt2":  # through memory: torch.export.save to a file aborts when the disk fills
-                program = io.BytesIO()
-                torch.export.save(export_program(classifier, input_dtype), program)
-                temporary.write_bytes(program.getvalue())
-            else:
-                torch.onnx.export(
-                    classifier,
-                    (example_images(input_dtype),),
-                    temporary,
-                    input_names=[INPUT_NAME],
-                    output_names=list(OUTPUT_NAMES),
-                    dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch", min=1)}},
-                    dynamo=True,
-                    external_data=False,  # one file; these models are far below ONNX's 2 GB limit
-                    verbose=False,
-                )
-
-    save_atomic(path, export_to)
+    """The exported file at ``path``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporters' notes on torch internals say nothing about this model
+        if export_format == "pt2":  # through memory: torch.export.save to a file aborts when the disk fills
+            program = io.BytesIO()
+            torch.export.save(export_program(classifier, input_dtype), program)
+            path.write_bytes(program.getvalue())
+        else:
+            torch.onnx.export(
+                classifier,
+                (example_images(input_dtype),),
+                path,
+                input_names=[INPUT_NAME],
+                output_names=list(OUTPUT_NAMES),
+                dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch", min=1)}},
+                dynamo=True,
+                external_data=False,  # one file; these models are far below ONNX's 2 GB limit
+                verbose=False,
+            )
 
 
 def exported_runner(export_format: ExportFormat, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
@@ -244,7 +240,18 @@ def export_model(args: argparse.Namespace, trained: TrainedModel, dataset: str |
     normalization = trained.preprocess.normalization
     network = copy.deepcopy(trained.model).to(memory_format=torch.contiguous_format)
     classifier = ImageClassifier(network, normalization)
-    write_export(classifier.eval(), args.format, args.input, path)
+    check = None
+
+    def export_and_check(temporary: Path) -> None:
+        nonlocal check
+        write_export(classifier.eval(), args.format, args.input, temporary)
+        if images is not None:
+            check = check_export(trained, exported_runner(args.format, temporary), images, args.input)
+
+    # Written and checked under a temporary name, which takes the export's place once the check is done: a run
+    # stopped before that leaves no half file, nor an unchecked export without a description (or with an earlier
+    # export's).
+    save_atomic(path, export_and_check)
     description = {
         "format": args.format,
         "file": path.name,
@@ -268,8 +275,7 @@ def export_model(args: argparse.Namespace, trained: TrainedModel, dataset: str |
         "torch": torch.__version__,
         "check": None,
     }
-    if images is not None:
-        check = check_export(trained, exported_runner(args.format, path), images, args.input)
+    if check is not None:
         description["check"] = {**check, "dataset": dataset, "split": args.check_split, "tolerance": args.tolerance}
         logger.info(
             f"checked on {counted(check['images'], 'image')} of {dataset} ({args.check_split}): "
@@ -279,14 +285,15 @@ def export_model(args: argparse.Namespace, trained: TrainedModel, dataset: str |
     write_atomic(description_file, json.dumps(description, indent=2))
     update_model_card(trained, path)
     logger.info(f"wrote {path} and {path.name}.json")
-    if images is not None:
-        check = description["check"]
-        if check["same_predictions"] != check["images"] or check["max_probability_difference"] > args.tolerance:
-            raise RunFault(
-                f"the export in {path} disagrees with load_model: {check['images'] - check['same_predictions']} of "
-                f"{check['images']} predictions differ, largest probability difference "
-                f"{check['max_probability_difference']:.2e} (tolerance {args.tolerance:g})"
-            )
+    disagrees = check and (
+        check["same_predictions"] != check["images"] or check["max_probability_difference"] > args.tolerance
+    )
+    if disagrees:
+        raise RunFault(
+            f"the export in {path} disagrees with load_model: {check['images'] - check['same_predictions']} of "
+            f"{check['images']} predictions differ, largest probability difference "
+            f"{check['max_probability_difference']:.2e} (tolerance {args.tolerance:g})"
+        )
 
 
 def update_model_card(trained: TrainedModel, path: Path) -> None:

@@ -21,7 +21,7 @@ from cifar_accel.export import check_export
 from cifar_accel.export import main as export_main
 from cifar_accel.inference import load_model
 
-from conftest import run_cli, run_on_a_small_disk, tiny_args
+from conftest import run_cli, run_on_a_small_disk, snapshot, tiny_args
 
 
 def export(model: Path, env: dict, *extra: str):
@@ -190,6 +190,33 @@ def test_bad_export_flags_are_refused_before_anything_is_written(cifar100_run, t
     assert run_main(export_main, argv) == 2
     assert problem.format(tmp=tmp_path) in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("export_format", ["onnx", "pt2"])
+def test_an_export_stopped_during_its_check_leaves_the_earlier_one_with_its_description(
+    cifar100_run, cifar100_dataset, tmp_path, capsys, monkeypatch, export_format
+):
+    """The export was written in its place before its check ran, so Ctrl-C during the check (which reads the
+    whole test split by default) left an unchecked export beside the earlier export's description, which now
+    described another file; with none before it, an export without a description, which the next export refused
+    as not its own. It takes its place only once checked."""
+    output = tmp_path / f"m.{export_format}"
+    argv = ["--model", str(cifar100_run), "--format", export_format, "--output", str(output),
+            "--check_dataset", str(cifar100_dataset), "--check_samples", "20"]  # fmt: skip
+    assert run_main(export_main, [*argv, "--input", "float32"]) == 0
+    earlier = snapshot(tmp_path)
+
+    def interrupted(*args: object) -> None:
+        check_export(*args)  # on the new file, as written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("cifar_accel.export.check_export", interrupted)
+    assert run_main(export_main, argv) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+    assert snapshot(tmp_path) == earlier  # the float32 export and its description, nothing beside them
+    monkeypatch.undo()
+    assert run_main(export_main, argv) == 0
+    assert json.loads(output.with_name(output.name + ".json").read_text())["input"]["dtype"] == "uint8"
 
 
 def test_the_check_counts_disagreements(cifar100_run, cifar100_dataset):
